@@ -1,0 +1,21 @@
+"""Training workbench: data-parallel PyTorch training on a Dask cluster, with selectable strategies.
+
+    import workbench
+    client = workbench.connect(workers=2)
+    run = workbench.train(workbench.Job(model=..., data="digits"), strategy="average", client=client, period=4)
+    run.wait(); run.evaluate()
+
+This package is the engine; it never imports the UI (`widgets`).
+"""
+from .cluster import client_session, connect, shutdown
+from .data import Splits, digits, synthetic
+from .errors import ClusterError, ConfigError, TrainingError, WorkbenchError
+from .job import Job
+from .models import mlp
+from .run import Run, train
+from .strategies import STRATEGIES
+
+__all__ = [
+    "STRATEGIES", "ClusterError", "ConfigError", "Job", "Run", "Splits", "TrainingError", "WorkbenchError",
+    "client_session", "connect", "digits", "mlp", "shutdown", "synthetic", "train",
+]

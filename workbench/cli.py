@@ -1,0 +1,148 @@
+"""The `workbench` command: `workbench train ...` runs a job with a live progress bar and a summary.
+
+Bad arguments end with a one-line message and a non-zero exit code, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from . import cluster as cluster_module
+from .data import resolve_dataset
+from .errors import WorkbenchError
+from .job import OPTIMIZERS, Job
+from .models import mlp
+from .run import train
+from .strategies import STRATEGIES
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage stays available with --help)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="workbench", description="Data-parallel PyTorch training on Dask.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    run = commands.add_parser("train", help="train a model on the embedded cluster or an existing one")
+    run.add_argument("--strategy", default="allreduce", choices=sorted(STRATEGIES), help="how workers combine results")
+    run.add_argument("--workers", type=_positive_int, default=2, help="worker processes that train (default 2)")
+    run.add_argument("--epochs", type=_positive_int, default=5, help="passes over each worker's shard")
+    run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker (overrides --epochs)")
+    run.add_argument("--lr", type=_positive_float, default=0.1, help="learning rate")
+    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
+    run.add_argument("--period", type=_positive_int, default=None, help="steps between averages ('average')")
+    run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
+    run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--scheduler", default=None, metavar="ADDRESS", help="train on an existing cluster")
+    run.add_argument("--run-dir", default="runs", help="where the run's directory is created")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    arguments = parser.parse_args(argv)  # argparse prints a one-line usage error and exits 2
+    try:
+        return _train(arguments)
+    except WorkbenchError as error:
+        print(f"workbench: error: {error}".splitlines()[0], file=sys.stderr)
+        return EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        print("workbench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(arguments: argparse.Namespace) -> int:
+    splits = resolve_dataset(arguments.dataset, "--dataset")
+    features, classes = _shape_of(splits.train)
+    job = Job(
+        model=mlp(features, classes, arguments.hidden), data=splits, optimizer=arguments.optimizer,
+        momentum=arguments.momentum if arguments.optimizer == "sgd" else 0.0, batch_size=arguments.batch_size,
+        epochs=arguments.epochs, steps=arguments.steps, lr=arguments.lr, seed=arguments.seed,
+    )
+    settings: dict[str, Any] = {}
+    if arguments.period is not None:
+        settings["period"] = arguments.period
+    job.prepare()  # refuse bad values before a cluster is started
+    if arguments.scheduler:
+        client = cluster_module.connect(scheduler=arguments.scheduler)
+    else:
+        client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0")
+    try:
+        run = train(job, arguments.strategy, client=client, workers=arguments.workers,
+                    run_dir=arguments.run_dir, **settings)
+        _follow(run, disable=arguments.no_progress)
+        status = run.wait()
+        result = run.evaluate()
+        _print_summary(run, result, status)
+        return 0
+    finally:
+        cluster_module.shutdown(client) if not arguments.scheduler else client.close()
+
+
+def _follow(run: Any, disable: bool) -> None:
+    with tqdm(total=run.total_steps, unit="step", desc=run.strategy, disable=disable, dynamic_ncols=True) as bar:
+        while not run.done:
+            done = int(run.progress() * run.total_steps)
+            bar.update(done - bar.n)
+            rate = run.throughput(5.0)["samples_per_s"]
+            bar.set_postfix_str(f"{rate:,.0f} samples/s", refresh=False)
+            time.sleep(0.2)
+        bar.update(run.total_steps - bar.n if run.status == "finished" else 0)
+
+
+def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
+    summary = run.summary()
+    print(f"run {run.run_id}: {status}, {summary.get('steps_done', 0)} steps on {summary['workers']} workers")
+    print(f"strategy: {run.strategy} {run.config['settings']}")
+    print(f"throughput: {summary.get('samples_per_s', 0):,.0f} samples/s in total")
+    split = summary.get("time_split", {})
+    if split:
+        print("step time: " + ", ".join(f"{k} {v:.0%}" for k, v in split.items()))
+    print(f"held-out loss: {result['loss']:.4f}")
+    if "accuracy" in result:
+        print(f"held-out accuracy: {result['accuracy']:.4f}")
+    print(f"run directory: {run.directory.path}")
+
+
+def _shape_of(source: Any) -> tuple[int, int]:
+    """Input features and number of classes of a classification dataset, for the CLI's MLP."""
+    from .data import as_source
+
+    loaded = as_source(source, "--dataset")
+    loaded = loaded.load() if hasattr(loaded, "load") else loaded
+    inputs, targets = loaded.batch(__import__("torch").arange(min(len(loaded), 4096)))
+    return int(inputs[0].numel()), int(targets.max()) + 1
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value

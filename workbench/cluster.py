@@ -1,0 +1,154 @@
+"""Getting a Dask client to train on: the embedded default, a GPU box, or an existing cluster.
+
+`connect()` is the one place that decides. With a scheduler address it connects there, failing within
+`timeout_s` with a clear message. Otherwise it starts a `dask_cuda.LocalCUDACluster` when dask-cuda
+imports and NVML reports at least one GPU, else a `distributed.LocalCluster` of single-threaded worker
+processes configured for training.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+from distributed import Client, LocalCluster
+
+from .errors import ClusterError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Worker and scheduler settings for clusters the workbench starts itself.
+TRAINING_CONFIG: dict[str, Any] = {
+    # A rank task whose worker died must fail, not be silently re-run elsewhere as a duplicate rank.
+    "distributed.scheduler.allowed-failures": 0,
+    # Let user code start DataLoader worker processes inside a task.
+    "distributed.worker.daemon": False,
+    # Worker housekeeping competes with training on small machines (design.md section 5).
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.admin.system-monitor.gil.enabled": False,
+    # Late subscribers backfill metrics from the scheduler's per-topic event log.
+    "distributed.admin.low-level-log-length": 10_000,
+}
+KINDS = ("auto", "cpu", "cuda")
+
+
+def count_gpus() -> int:
+    """GPUs NVML can see here; 0 where NVML or its library is missing (never raises)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+def dask_cuda_available() -> bool:
+    try:
+        import dask_cuda  # noqa: F401
+    except Exception:  # ImportError, or cuda-bindings missing beneath it
+        return False
+    return True
+
+
+def choose_kind(kind: str, workers: int | None) -> str:
+    """'cuda' or 'cpu' for a local cluster, from the request and what this machine has."""
+    if kind not in KINDS:
+        raise ConfigError("kind", kind, f"one of {list(KINDS)}")
+    if kind == "cpu":
+        return "cpu"
+    gpus = count_gpus() if dask_cuda_available() else 0
+    if kind == "cuda":
+        if gpus == 0:
+            raise ConfigError("kind", kind, "'cuda' only where dask-cuda is installed and a GPU is visible",
+                              "Install the 'cuda' extra on a GPU machine, or use kind='cpu'")
+        if workers is not None and workers > gpus:
+            raise ConfigError("workers", workers, f"at most {gpus} (one worker per GPU)")
+        return "cuda"
+    if gpus and (workers is None or workers <= gpus):
+        return "cuda"
+    if gpus:
+        logger.info("%s workers asked for but %s GPUs visible: starting CPU workers", workers, gpus)
+    return "cpu"
+
+
+def connect(
+    scheduler: str | None = None,
+    workers: int | None = None,
+    kind: str = "auto",
+    threads_per_worker: int = 1,
+    dashboard_address: str | None = "127.0.0.1:8787",
+    security: Any = None,
+    timeout_s: float = 10.0,
+    **cluster_options: Any,
+) -> Client:
+    """A Dask client for training.
+
+    scheduler: address of an existing scheduler (`tcp://host:8786`, `tls://...`); None starts one here.
+    workers: worker processes to start (default: one per GPU, else 2).
+    kind: 'auto', 'cpu' or 'cuda' for a cluster started here.
+    security: a `distributed.Security` (or True for a temporary TLS setup), passed through untouched.
+    A cluster started here is closed with the client: use `shutdown(client)` or `client_session(...)`.
+    """
+    if scheduler is not None:
+        return _connect_existing(scheduler, security, timeout_s)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ConfigError("workers", workers, "an integer >= 1")
+    if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+        raise ConfigError("threads_per_worker", threads_per_worker, "an integer >= 1")
+    chosen = choose_kind(kind, workers)
+    with dask.config.set(TRAINING_CONFIG):
+        if chosen == "cuda":
+            from dask_cuda import LocalCUDACluster
+
+            local = LocalCUDACluster(
+                n_workers=workers, threads_per_worker=threads_per_worker, dashboard_address=dashboard_address,
+                security=security, device_memory_limit=0, **cluster_options,
+            )
+        else:
+            local = LocalCluster(
+                n_workers=workers or 2, threads_per_worker=threads_per_worker, processes=True,
+                dashboard_address=dashboard_address, security=security, **cluster_options,
+            )
+        client = Client(local, security=local.security if security else None)
+    client._workbench_owns_cluster = True  # type: ignore[attr-defined]
+    return client
+
+
+def shutdown(client: Client) -> None:
+    """Close `client`, and the cluster with it when `connect()` started that cluster."""
+    owned = getattr(client, "_workbench_owns_cluster", False)
+    local = client.cluster if owned else None
+    client.close()
+    if local is not None:
+        local.close()
+
+
+@contextlib.contextmanager
+def client_session(**options: Any) -> Iterator[Client]:
+    """`with workbench.client_session(workers=2) as client:` — `connect(**options)` closed on exit."""
+    client = connect(**options)
+    try:
+        yield client
+    finally:
+        shutdown(client)
+
+
+def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
+    if not isinstance(address, str) or "://" not in address and ":" not in address:
+        raise ConfigError("scheduler", address, "an address such as 'tcp://127.0.0.1:8786' or 'tls://host:8786'")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ConfigError("timeout_s", timeout_s, "a number of seconds > 0")
+    try:
+        return Client(address, security=security, timeout=f"{timeout_s}s")
+    except (OSError, TimeoutError, ValueError) as error:
+        raise ClusterError(
+            f"could not reach the Dask scheduler at {address} within {timeout_s:g} s ({type(error).__name__}: "
+            f"{error}). Check that 'dask scheduler' runs there and the address and port are right."
+        ) from None

@@ -1,0 +1,76 @@
+"""torch.distributed on Dask workers: forming and tearing down the process group, and the few collectives
+the engine uses. gloo on CPU, NCCL on GPU; explicit rank, world size, address and timeout, never env vars.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import TrainingError
+
+
+def find_free_port(host: str = "") -> int:
+    """A TCP port free on this machine right now (run on rank 0's worker through `client.run`)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(host: str, port: int, rank: int, world_size: int, device: torch.device,
+                       timeout_s: float) -> None:
+    """Join the run's process group; fails after `timeout_s` instead of torch's 30-minute default."""
+    if dist.is_initialized():
+        raise TrainingError(
+            "this worker process already belongs to a torch.distributed process group: another run is "
+            "training on it. Wait for that run to end or start this one on other workers."
+        )
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(value: Any, source_rank: int = 0) -> Any:
+    """Rank `source_rank`'s `value` on every rank (small control objects only)."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=source_rank)
+    return holder[0]
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], source_rank: int = 0) -> None:
+    """Overwrite `tensors` on every rank with rank `source_rank`'s values (one flat broadcast)."""
+    from .averaging import flatten, unflatten_into
+
+    if not tensors:
+        return
+    vector = flatten(tensors)
+    dist.broadcast(vector, src=source_rank)
+    unflatten_into(vector, tensors)
+
+
+def all_reduce_mean(vector: torch.Tensor) -> None:
+    """In place: `vector` becomes the mean of all ranks' vectors."""
+    dist.all_reduce(vector)
+    vector.div_(dist.get_world_size())
+
+
+def start_all_reduce(vector: torch.Tensor) -> Any:
+    """Begin a sum all-reduce of `vector` in the background; returns the work handle to `wait()` on."""
+    return dist.all_reduce(vector, async_op=True)

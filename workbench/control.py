@@ -1,0 +1,98 @@
+"""The control plane: pause, stop, learning rate and live strategy settings, from client to workers.
+
+The client writes a `ControlState` (a small dict) into a named Dask `Variable` per run; each worker
+polls it in a background thread so the training step never waits on the scheduler. Workers of a
+process-group strategy then agree on rank 0's view at chosen steps, so all apply a change at one step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from distributed import Variable
+
+
+@dataclasses.dataclass
+class ControlState:
+    """What the workers should be doing; `version` grows with every change."""
+
+    version: int = 0
+    paused: bool = False
+    stop: bool = False
+    lr: float | None = None
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_message(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ControlState:
+        return cls(**message)
+
+
+def variable_name(run_id: str) -> str:
+    return f"workbench-control-{run_id}"
+
+
+class ControlWriter:
+    """Client side: the single writer of a run's control state."""
+
+    def __init__(self, client: Any, run_id: str, initial: ControlState) -> None:
+        self._variable = Variable(variable_name(run_id), client=client)
+        self._lock = threading.Lock()
+        self.state = initial
+        self._variable.set(self.state.to_message())
+
+    def update(self, **changes: Any) -> ControlState:
+        with self._lock:
+            settings = {**self.state.settings, **changes.pop("settings", {})}
+            self.state = dataclasses.replace(self.state, version=self.state.version + 1, settings=settings, **changes)
+            self._variable.set(self.state.to_message())
+            return self.state
+
+    def delete(self) -> None:
+        try:
+            self._variable.delete()
+        except Exception:  # the scheduler may already be gone at shutdown
+            pass
+
+
+class ControlPoller:
+    """Worker side: a daemon thread keeping the latest control state in memory."""
+
+    def __init__(self, client: Any, run_id: str, interval_s: float = 0.1) -> None:
+        self._variable = Variable(variable_name(run_id), client=client)
+        self._interval_s = interval_s
+        self._latest = ControlState()
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="workbench-control", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> ControlState:
+        return self._latest
+
+    def wait_for_change(self, version: int, timeout_s: float) -> ControlState:
+        """Block until a state newer than `version` arrives or `timeout_s` passes; return the latest."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._latest.version > version, timeout=timeout_s)
+            return self._latest
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2)
+
+    def _poll(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                message = self._variable.get(timeout=5)
+            except Exception:  # scheduler busy or variable not yet visible: try again next tick
+                message = None
+            if message is not None:
+                state = ControlState.from_message(message)
+                if state.version > self._latest.version:
+                    with self._changed:
+                        self._latest = state
+                        self._changed.notify_all()
+            self._stopping.wait(self._interval_s)

@@ -1,0 +1,185 @@
+"""The typed job description and its client-side validation.
+
+A `Job` says what to train (model factory, data, loss, optimizer) and how long; the strategy and the
+cluster are chosen when the job is started. `Job.prepare()` checks every field on the client and returns
+the normalised pieces the workers need, so a bad value fails at once with a message naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+from torch import nn
+
+from .data import DataSource, Splits, as_source, resolve_dataset
+from .errors import ConfigError
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "cross_entropy": nn.functional.cross_entropy,
+    "mse": nn.functional.mse_loss,
+    "nll": nn.functional.nll_loss,
+}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclasses.dataclass
+class Job:
+    """One data-parallel training job. Field docs double as labels in the UI and help in the CLI."""
+
+    model: Callable[[], nn.Module]
+    """Factory returning a fresh model; called once on every worker (and once on the client to check it)."""
+    data: Any
+    """Training data: a torch Dataset, (inputs, targets) tensors/NumPy/Dask arrays, or a dataset name."""
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy"
+    """Loss: 'cross_entropy', 'mse', 'nll' or a function (outputs, targets) -> scalar tensor."""
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "sgd"
+    """Optimizer: 'sgd', 'adam', 'adamw' or a function (parameters, lr) -> optimizer."""
+    momentum: float = 0.0
+    """Momentum for 'sgd'."""
+    batch_size: int = 32
+    """Samples per step on each worker."""
+    epochs: int | None = 1
+    """Passes over each worker's shard; ignored when `steps` is given."""
+    steps: int | None = None
+    """Total optimizer steps per worker; overrides `epochs`."""
+    lr: float = 0.01
+    """Learning rate (changeable while running)."""
+    seed: int = 0
+    """Seed for model initialisation and data shuffling."""
+    eval_data: Any = None
+    """Held-out data in any accepted form; defaults to the dataset's own held-out split."""
+    eval_every: int | None = None
+    """Steps between held-out evaluations on worker 0; None evaluates at the end of every epoch."""
+    device: str = "auto"
+    """'cpu', 'cuda', or 'auto' (CUDA where the worker has a GPU)."""
+
+    def prepare(self) -> PreparedJob:
+        """Validate every field on the client; return the normalised job or raise `ConfigError`."""
+        if not callable(self.model):
+            raise ConfigError("model", self.model, "a function returning a torch.nn.Module",
+                              "Pass the class or a factory, e.g. model=lambda: nn.Linear(64, 10)")
+        try:
+            cloudpickle.dumps(self.model)
+        except Exception as error:
+            raise ConfigError("model", self.model, "a picklable factory",
+                              f"Workers receive it pickled; pickling failed with: {error}") from None
+        try:
+            sample_model = self.model()
+        except Exception as error:
+            raise ConfigError("model", self.model, "a factory that builds a model",
+                              f"Calling it raised {type(error).__name__}: {error}") from error
+        if not isinstance(sample_model, nn.Module):
+            raise ConfigError("model", self.model, "a factory returning a torch.nn.Module",
+                              f"It returned {type(sample_model).__name__}")
+        n_parameters = sum(p.numel() for p in sample_model.parameters())
+        if n_parameters == 0:
+            raise ConfigError("model", self.model, "a model with trainable parameters")
+
+        data, default_eval = self.data, None
+        if isinstance(data, str):
+            splits = resolve_dataset(data, "data")
+            data, default_eval = splits.train, splits.eval
+        elif isinstance(data, Splits):
+            data, default_eval = data.train, data.eval
+        train = as_source(data, "data")
+        eval_spec = self.eval_data if self.eval_data is not None else default_eval
+        evaluation = as_source(eval_spec, "eval_data") if eval_spec is not None else None
+
+        if isinstance(self.loss, str):
+            if self.loss not in LOSSES:
+                raise ConfigError("loss", self.loss, f"one of {sorted(LOSSES)} or a function")
+        elif not callable(self.loss):
+            raise ConfigError("loss", self.loss, f"one of {sorted(LOSSES)} or a function")
+        if isinstance(self.optimizer, str):
+            if self.optimizer not in OPTIMIZERS:
+                raise ConfigError("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)} or a function")
+        elif not callable(self.optimizer):
+            raise ConfigError("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)} or a function")
+        _check_number("momentum", self.momentum, minimum=0.0, below=1.0, integer=False)
+        _check_number("lr", self.lr, minimum=0.0, integer=False, strictly=True)
+        _check_number("batch_size", self.batch_size, minimum=1, integer=True)
+        _check_number("seed", self.seed, minimum=0, integer=True)
+        if self.steps is None:
+            if self.epochs is None:
+                raise ConfigError("epochs", None, "a positive integer when steps is not given")
+            _check_number("epochs", self.epochs, minimum=1, integer=True)
+        else:
+            _check_number("steps", self.steps, minimum=1, integer=True)
+        if self.eval_every is not None:
+            _check_number("eval_every", self.eval_every, minimum=1, integer=True)
+        if self.device not in DEVICES:
+            raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            # Workers may have GPUs the client lacks; that is checked on the worker, so only warn here.
+            pass
+        return PreparedJob(self, train, evaluation, n_parameters)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary for the run directory and the UI."""
+        described = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                described[field.name] = value
+            else:
+                described[field.name] = _short_repr(value)
+        return described
+
+
+@dataclasses.dataclass
+class PreparedJob:
+    """A validated job with its data normalised into sources."""
+
+    job: Job
+    train: DataSource
+    evaluation: DataSource | None
+    n_parameters: int
+
+    def steps_per_epoch(self, shard_samples: int) -> int:
+        return shard_samples // self.job.batch_size
+
+    def total_steps(self, shard_samples: int) -> int:
+        if self.job.steps is not None:
+            return self.job.steps
+        return self.job.epochs * self.steps_per_epoch(shard_samples)  # type: ignore[operator]
+
+
+def make_optimizer(job: Job, parameters) -> torch.optim.Optimizer:
+    """Build the job's optimizer over `parameters` (runs on the worker)."""
+    if callable(job.optimizer):
+        return job.optimizer(parameters, job.lr)
+    if job.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=job.lr, momentum=job.momentum)
+    if job.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=job.lr)
+    return torch.optim.AdamW(parameters, lr=job.lr)
+
+
+def loss_function(job: Job) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return LOSSES[job.loss] if isinstance(job.loss, str) else job.loss
+
+
+def _check_number(parameter: str, value: Any, minimum: float, integer: bool, strictly: bool = False,
+                  below: float | None = None) -> None:
+    kind = "an integer" if integer else "a number"
+    bound = f"> {minimum}" if strictly else f">= {minimum}"
+    allowed = f"{kind} {bound}" + (f" and < {below}" if below is not None else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(parameter, value, allowed)
+    if integer and not float(value).is_integer():
+        raise ConfigError(parameter, value, allowed)
+    if not math.isfinite(value) or value < minimum or (strictly and value == minimum):
+        raise ConfigError(parameter, value, allowed)
+    if below is not None and value >= below:
+        raise ConfigError(parameter, value, allowed)
+
+
+def _short_repr(value: Any) -> str:
+    name = getattr(value, "__qualname__", None) or getattr(type(value), "__qualname__", "")
+    module = getattr(value, "__module__", None) or type(value).__module__
+    text = f"{module}.{name}" if callable(value) and name else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,156 @@
+"""The metrics plane: per-step records batched on workers, streamed through Dask's event log, and kept
+on the client as a bounded table.
+
+Workers call `MetricsSender.record()` every step; records leave in batches a few times a second with
+`log_event` on the run's topic. Any client subscribes to that topic. Pure helpers here compute
+throughput and summaries from records, so they are tested without a cluster.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pandas as pd
+
+STEP_FIELDS = ("worker", "step", "epoch", "time", "loss", "samples", "compute_s", "comm_s", "wait_s", "lr", "strategy")
+
+
+def topic(run_id: str) -> str:
+    """The Dask event topic a run's metrics travel on."""
+    return f"workbench-{run_id}"
+
+
+class MetricsSender:
+    """Worker side: collects step records and sends them in batches through `send` (injected)."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], worker: int, flush_interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._send = send
+        self._worker = worker
+        self._interval = flush_interval_s
+        self._clock = clock
+        self._pending: list[dict[str, Any]] = []
+        self._last_flush = clock()
+
+    def record(self, record: dict[str, Any]) -> None:
+        self._pending.append(record)
+        if self._clock() - self._last_flush >= self._interval:
+            self.flush()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Send a one-off record (lifecycle, evaluation) at once, after any pending steps to keep order."""
+        self.flush()
+        self._send({"kind": kind, "worker": self._worker, "time": time.time(), **fields})
+
+    def flush(self) -> None:
+        self._last_flush = self._clock()
+        if self._pending:
+            records, self._pending = self._pending, []
+            self._send({"kind": "steps", "worker": self._worker, "records": records})
+
+
+def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One event-log message to flat records, each with a `kind` ('step', 'eval', lifecycle kinds)."""
+    if message.get("kind") == "steps":
+        return [{"kind": "step", **record} for record in message["records"]]
+    return [message]
+
+
+class MetricsTable:
+    """Client side: thread-safe, bounded store of the records a run has sent."""
+
+    def __init__(self, max_steps: int = 200_000) -> None:
+        self._lock = threading.Lock()
+        self._steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_steps)
+        self._other: list[dict[str, Any]] = []
+        self.steps_received = 0
+
+    def add(self, records: Iterable[dict[str, Any]]) -> None:
+        with self._lock:
+            for record in records:
+                if record.get("kind") == "step":
+                    self._steps.append(record)
+                    self.steps_received += 1
+                else:
+                    self._other.append(record)
+
+    def steps(self) -> pd.DataFrame:
+        """Per-step records, one row per worker step."""
+        with self._lock:
+            rows = list(self._steps)
+        frame = pd.DataFrame(rows)
+        return frame.drop(columns=["kind"]) if "kind" in frame else frame
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [r for r in self._other if kind is None or r.get("kind") == kind]
+
+    def evaluations(self) -> pd.DataFrame:
+        return pd.DataFrame(self.events("eval"))
+
+    def last_steps(self) -> dict[int, dict[str, Any]]:
+        """The latest step record of each worker."""
+        with self._lock:
+            latest: dict[int, dict[str, Any]] = {}
+            for record in reversed(self._steps):
+                latest.setdefault(record["worker"], record)
+                if len(latest) > 64:
+                    break
+            return latest
+
+    def throughput(self, window_s: float = 5.0) -> dict[str, Any]:
+        with self._lock:
+            recent = _recent(self._steps, window_s)
+        return throughput(recent, window_s)
+
+
+def _recent(records: collections.deque, window_s: float) -> list[dict[str, Any]]:
+    if not records:
+        return []
+    newest = records[-1]["time"]
+    out = []
+    for record in reversed(records):
+        if record["time"] < newest - window_s:
+            break
+        out.append(record)
+    out.reverse()
+    return out
+
+
+def throughput(records: list[dict[str, Any]], window_s: float | None = None) -> dict[str, Any]:
+    """Samples/s per worker and in total, and steps/s, over the records' time span (or the last window).
+
+    A worker's rate is the samples of its records after the first one, divided by the time between its
+    first and last record: wall-clock, so waiting and overheads count against it.
+    """
+    by_worker: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in records:
+        by_worker[record["worker"]].append(record)
+    per_worker: dict[int, float] = {}
+    steps_per_s: dict[int, float] = {}
+    for worker, rows in by_worker.items():
+        rows.sort(key=lambda r: r["time"])
+        if window_s is not None:
+            rows = [r for r in rows if r["time"] >= rows[-1]["time"] - window_s]
+        span = rows[-1]["time"] - rows[0]["time"]
+        if len(rows) < 2 or span <= 0:
+            continue
+        per_worker[worker] = sum(r["samples"] for r in rows[1:]) / span
+        steps_per_s[worker] = (len(rows) - 1) / span
+    return {
+        "samples_per_s": sum(per_worker.values()),
+        "per_worker": per_worker,
+        "steps_per_s": sum(steps_per_s.values()) / len(steps_per_s) if steps_per_s else 0.0,
+    }
+
+
+def time_split(frame: pd.DataFrame) -> dict[str, float]:
+    """Fractions of step time spent computing, communicating and waiting, over all recorded steps."""
+    if frame.empty:
+        return {"compute": 0.0, "comm": 0.0, "wait": 0.0}
+    totals = {name: float(frame[f"{name}_s"].sum()) for name in ("compute", "comm", "wait")}
+    whole = sum(totals.values()) or 1.0
+    return {name: value / whole for name, value in totals.items()}

@@ -1,0 +1,368 @@
+"""The client-side run handle: starts a job on the cluster without blocking, and controls and observes it.
+
+`train()` validates everything on the client, writes the run directory, subscribes to the run's metrics
+topic, publishes the control state and submits one long-lived task per worker. A supervisor thread waits
+for the tasks, stops the others when one fails, and collects the final weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from distributed import Client, wait
+from distributed.comm import get_address_host
+
+from . import collectives
+from .control import ControlState, ControlWriter
+from .data import BuiltinData, DaskArrayData, DataSource
+from .errors import ClusterError, ConfigError, TrainingError
+from .evaluation import evaluate
+from .job import Job, PreparedJob, loss_function
+from .metrics import MetricsTable, expand, time_split, topic
+from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
+from .sharding import assign_blocks, shard_size
+from .strategies import get_strategy, make_settings
+from .worker import WorkerTask, train_on_worker
+
+FINISHED_STATES = ("finished", "stopped", "failed")
+
+
+def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
+          run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
+          **settings: Any) -> Run:
+    """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
+
+    strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
+    workers: how many of the cluster's workers train (default: all).
+    run_dir: parent directory of the run's own directory (config, metrics, weights).
+    """
+    run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
+              collective_timeout_s=collective_timeout_s, settings=settings)
+    run.start()
+    return run
+
+
+class Run:
+    """A training run: status, live metrics, control, and the trained model."""
+
+    def __init__(self, job: Job, strategy: str, *, client: Client | None, workers: int | None,
+                 run_dir: str | Path, name: str | None, collective_timeout_s: float,
+                 settings: dict[str, Any], step_delays: dict[int, float] | None = None) -> None:
+        self.job = job
+        self.strategy = strategy
+        self._requested_workers = workers
+        self._settings_values = dict(settings)
+        self._run_root = run_dir
+        self._name = name
+        self._collective_timeout_s = collective_timeout_s
+        self._step_delays = step_delays or {}
+        self.client = client
+        self.table = MetricsTable()
+        self.status = "created"
+        self.error: str | None = None
+        self.total_steps = 0
+        self.worker_addresses: list[str] = []
+        self._futures: list[Any] = []
+        self._state_dict: dict[str, torch.Tensor] | None = None
+        self._finished_workers: set[int] = set()
+        self._events = threading.Condition()
+        self._supervisor: threading.Thread | None = None
+        self._prepared: PreparedJob | None = None
+
+    # --- starting -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        prepared = self._prepared = self.job.prepare()
+        strategy_class = get_strategy(self.strategy)
+        settings = make_settings(self.strategy, self._settings_values)
+        if not isinstance(self._collective_timeout_s, (int, float)) or not self._collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s", self._collective_timeout_s, "a number of seconds > 0")
+        client = self.client = self._resolve_client(self.client)
+        addresses = self.worker_addresses = self._choose_workers(client)
+        world_size = len(addresses)
+
+        train_payload, shard_samples, local = self._place_training_data(client, prepared.train, addresses)
+        if prepared.job.batch_size > shard_samples:
+            raise ConfigError("batch_size", prepared.job.batch_size,
+                              f"at most {shard_samples}, the samples in each of the {world_size} workers' shards",
+                              "Lower batch_size or use fewer workers")
+        self.total_steps = prepared.total_steps(shard_samples)
+
+        self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
+                                     f"{uuid.uuid4().hex[:6]}")
+        self.directory = RunDirectory(Path(self._run_root) / self.run_id)
+        self.config = {
+            "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
+            "job": prepared.job.describe(), "workers": addresses, "world_size": world_size,
+            "shard_samples": shard_samples, "total_steps": self.total_steps,
+            "parameters": prepared.n_parameters, "scheduler": client.scheduler.address,
+            "started": time.time(),
+        }
+        self.directory.write_json(CONFIG_FILE, self.config)
+        self.directory.append([{"kind": "run-started", "time": time.time(), "strategy": self.strategy,
+                                "settings": dataclasses.asdict(settings)}])
+
+        client.subscribe_topic(topic(self.run_id), self._on_message)
+        self._control = ControlWriter(client, self.run_id, ControlState(lr=self.job.lr,
+                                                                      settings=dataclasses.asdict(settings)))
+        host, port = "", 0
+        if strategy_class.uses_process_group:
+            host = get_address_host(addresses[0])
+            port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
+        eval_payload = self._scatter(client, prepared.evaluation, addresses[:1])
+        for rank, address in enumerate(addresses):
+            task = WorkerTask(
+                run_id=self.run_id, rank=rank, world_size=world_size, job=self.job, strategy=self.strategy,
+                settings=settings, shard_samples=shard_samples, total_steps=self.total_steps,
+                local_data=local, master_host=host, master_port=port,
+                collective_timeout_s=self._collective_timeout_s,
+                step_delay_s=self._step_delays.get(rank, 0.0),
+            )
+            data = train_payload[address] if local else train_payload
+            self._futures.append(client.submit(
+                train_on_worker, task, data, eval_payload if rank == 0 else None,
+                key=f"workbench-{self.run_id}-rank-{rank}", workers=[address], allow_other_workers=False,
+                pure=False, retries=0,
+            ))
+        self.status = "running"
+        self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
+        self._supervisor.start()
+
+    def _resolve_client(self, client: Client | None) -> Client:
+        if client is not None:
+            if not isinstance(client, Client):
+                raise ConfigError("client", client, "a distributed.Client, e.g. from workbench.connect()")
+            return client
+        try:
+            from distributed import get_client
+
+            return get_client()
+        except ValueError:
+            raise ConfigError("client", None, "a Dask client",
+                              "Start one with client = workbench.connect() and pass client=client") from None
+
+    def _choose_workers(self, client: Client) -> list[str]:
+        available = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        requested = self._requested_workers
+        if requested is None:
+            requested = len(available)
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ConfigError("workers", requested, "an integer >= 1")
+        if not available:
+            raise ClusterError("the cluster has no workers; start some (dask worker ADDRESS) and try again")
+        if requested > len(available):
+            raise ConfigError("workers", requested, f"at most {len(available)}, the workers in this cluster",
+                              "Start more workers or ask for fewer")
+        return available[:requested]
+
+    def _place_training_data(self, client: Client, source: DataSource, addresses: list[str]):
+        """Where the training data goes: (payload, common shard size, whether shards are worker-local)."""
+        if isinstance(source, DaskArrayData):
+            return self._assign_dask_blocks(client, source, addresses)
+        return self._scatter(client, source, addresses), shard_size(len(source), len(addresses)), False
+
+    @staticmethod
+    def _scatter(client: Client, source: DataSource | None, addresses: list[str]) -> Any:
+        # Built-in data is generated on the workers; only user data travels, once per worker.
+        if source is None or isinstance(source, BuiltinData):
+            return source
+        return client.scatter(source, workers=addresses, broadcast=True, hash=False)
+
+    @staticmethod
+    def _assign_dask_blocks(client: Client, source: DaskArrayData, addresses: list[str]):
+        inputs = source.inputs
+        targets = source.targets.rechunk((inputs.chunks[0],) + source.targets.chunks[1:])
+        input_blocks = client.compute(list(inputs.to_delayed().ravel()))
+        target_blocks = client.compute(list(targets.to_delayed().ravel()))
+        wait(input_blocks + target_blocks)
+        holders = client.who_has(input_blocks)
+        block_rows = list(inputs.chunks[0])
+        assignment = assign_blocks(block_rows, [set(holders.get(f.key, ())) for f in input_blocks], addresses)
+        shard_samples = min(sum(block_rows[i] for i in blocks) for blocks in assignment.values())
+        payload = {address: ([input_blocks[i] for i in blocks], [target_blocks[i] for i in blocks])
+                   for address, blocks in assignment.items()}
+        return payload, shard_samples, True
+
+    # --- metrics and supervision ----------------------------------------------------------------------
+
+    def _on_message(self, event: tuple[float, dict[str, Any]]) -> None:
+        # Runs on the client's IO-loop thread: store and append, nothing blocking.
+        _, message = event
+        records = expand(message)
+        self.table.add(records)
+        self.directory.append(records)
+        kind = message.get("kind")
+        if kind in ("worker-finished", "worker-failed"):
+            with self._events:
+                self._finished_workers.add(message["worker"])
+                self._events.notify_all()
+
+    def _supervise(self) -> None:
+        try:
+            self._supervise_tasks()
+        except BaseException as error:  # never leave the run looking alive when supervision itself broke
+            self.error = f"supervising the run failed: {type(error).__name__}: {error}"
+            self.status = "failed"
+            raise
+
+    def _supervise_tasks(self) -> None:
+        futures = self._futures
+        pending = set(futures)
+        while pending and not any(f.status == "error" for f in futures):
+            _, pending = wait(pending, return_when="FIRST_COMPLETED")
+        if any(f.status == "error" for f in futures):
+            # Stop the others cooperatively; ones blocked in a collective fail when the peer leaves.
+            self._control.update(stop=True)
+            wait(futures, timeout=self._collective_timeout_s + 30)
+        errors = []
+        for rank, future in enumerate(futures):
+            if future.status == "error":
+                exception, tb = future.exception(), future.traceback()
+                errors.append(f"worker {rank} ({self.worker_addresses[rank]}) failed: "
+                              f"{type(exception).__name__}: {exception}\n"
+                              + ("".join(traceback.format_tb(tb)) if tb else ""))
+            elif future.status == "finished":
+                result = future.result()
+                if result["state_dict"] is not None:
+                    self._state_dict = result["state_dict"]
+        with self._events:  # the workers' last metrics may trail their results by a moment
+            self._events.wait_for(lambda: len(self._finished_workers) >= len(futures), timeout=5)
+        try:
+            self.client.unsubscribe_topic(topic(self.run_id))
+        except Exception:
+            pass
+        self._control.delete()
+        if errors:
+            self.error = "\n".join(errors)
+            self.status = "failed"
+        else:
+            stopped = any(f.result()["stopped"] for f in futures)
+            self.status = "stopped" if stopped else "finished"
+            if self._state_dict is not None:
+                self.directory.save_model(self._state_dict)
+        self.directory.append([{"kind": f"run-{self.status}", "time": time.time(), "error": self.error}])
+        self.directory.write_json(SUMMARY_FILE, self.summary())
+        self.directory.close()
+
+    # --- public API -----------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.status in FINISHED_STATES
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the run ends (or `timeout` seconds pass: TimeoutError); raise TrainingError if it failed."""
+        if self._supervisor is None:
+            raise TrainingError("the run was never started")
+        self._supervisor.join(timeout)
+        if self._supervisor.is_alive():
+            raise TimeoutError(f"run {self.run_id} still {self.status} after {timeout} s")
+        if self.status == "failed":
+            raise TrainingError(f"run {self.run_id} failed:\n{self.error}")
+        return self.status
+
+    def pause(self) -> None:
+        """Workers stop after their current step (at the next agreed step) until `resume()`."""
+        self._control.update(paused=True)
+        if not self.done:
+            self.status = "paused"
+
+    def resume(self) -> None:
+        self._control.update(paused=False)
+        if not self.done:
+            self.status = "running"
+
+    def stop(self) -> None:
+        """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
+        self._control.update(stop=True)
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate on every worker while the run trains."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
+            raise ConfigError("lr", lr, "a finite number > 0")
+        self._control.update(lr=float(lr))
+        self.directory.append([{"kind": "control", "time": time.time(), "lr": float(lr)}])
+
+    def update(self, **settings: Any) -> None:
+        """Change strategy settings that may change live (e.g. `period` for 'average')."""
+        strategy_class = get_strategy(self.strategy)
+        live = strategy_class.settings_class.live
+        for key in settings:
+            if key not in live:
+                raise ConfigError(key, settings[key], f"a live setting of '{self.strategy}' ({', '.join(live) or 'none'})")
+        merged = {**self._control.state.settings, **settings}
+        make_settings(self.strategy, merged)  # validates values
+        self._control.update(settings=settings)
+        self.directory.append([{"kind": "control", "time": time.time(), **settings}])
+
+    @property
+    def metrics(self) -> Any:
+        """Per-step records of all workers as a pandas DataFrame."""
+        return self.table.steps()
+
+    @property
+    def evaluations(self) -> Any:
+        """Held-out evaluations made during training, as a DataFrame."""
+        return self.table.evaluations()
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return self.table.events(kind)
+
+    def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
+        """Samples/s in total and per worker over the last `window_s` seconds (None: whole run)."""
+        if window_s is None:
+            from .metrics import throughput
+
+            return throughput(self.table.steps().to_dict("records"))
+        return self.table.throughput(window_s)
+
+    def progress(self) -> float:
+        """Fraction of the planned steps done by the slowest worker."""
+        latest = self.table.last_steps()
+        if not latest or not self.total_steps:
+            return 0.0
+        done = min(r["step"] + 1 for r in latest.values()) if len(latest) == len(self.worker_addresses) else 0
+        return min(1.0, done / self.total_steps)
+
+    def model(self) -> torch.nn.Module:
+        """The trained model: the job's architecture with the final (synchronised) weights."""
+        if self._state_dict is None:
+            raise TrainingError(f"run {self.run_id} has no final weights (status {self.status}); wait() for it first")
+        model = self.job.model()
+        model.load_state_dict(self._state_dict)
+        return model
+
+    def evaluate(self, data: Any = None) -> dict[str, Any]:
+        """Loss (and accuracy) of the trained model on held-out data (default: the job's)."""
+        from .data import as_source
+
+        source = as_source(data, "data") if data is not None else self._prepared.evaluation
+        if source is None:
+            raise ConfigError("data", None, "held-out data: pass data= or set Job.eval_data")
+        return evaluate(self.model(), source.load(), loss_function(self.job))
+
+    def summary(self) -> dict[str, Any]:
+        frame = self.table.steps()
+        summary: dict[str, Any] = {"run_id": self.run_id, "status": self.status, "strategy": self.strategy,
+                                   "total_steps": self.total_steps, "workers": len(self.worker_addresses)}
+        if not frame.empty:
+            from .metrics import throughput
+
+            rate = throughput(frame.to_dict("records"))
+            summary.update(steps_done=int(frame.groupby("worker")["step"].max().min()) + 1,
+                           samples_per_s=rate["samples_per_s"], final_loss=float(frame["loss"].tail(20).mean()),
+                           time_split=time_split(frame))
+        if self.error:
+            summary["error"] = self.error
+        return summary
+
+    def __repr__(self) -> str:
+        return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "
+                f"workers={len(self.worker_addresses)} progress={self.progress():.0%}>")

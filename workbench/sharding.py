@@ -1,0 +1,61 @@
+"""Pure data-sharding arithmetic: which sample indices each worker trains on, per epoch.
+
+Every worker computes its own shard from (seed, epoch, rank), so no index lists travel. Shards are
+disjoint, of equal size (the remainder is dropped, as `DistributedSampler(drop_last=True)` does), and
+reshuffled every epoch.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def shard_size(n_samples: int, world_size: int) -> int:
+    """Samples each of `world_size` workers gets from a dataset of `n_samples`."""
+    return n_samples // world_size
+
+
+def shard_indices(n_samples: int, world_size: int, rank: int, epoch: int, seed: int) -> torch.Tensor:
+    """Indices of rank `rank`'s shard for `epoch`: a slice of one seeded permutation of all samples."""
+    generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+    permutation = torch.randperm(n_samples, generator=generator)
+    size = shard_size(n_samples, world_size)
+    return permutation[rank * size : (rank + 1) * size]
+
+
+def local_shuffle(n_local: int, keep: int, rank: int, epoch: int, seed: int) -> torch.Tensor:
+    """Shuffle of a worker's own local samples (Dask-array blocks it holds), truncated to `keep`."""
+    generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch) + 7919 * (rank + 1))
+    return torch.randperm(n_local, generator=generator)[:keep]
+
+
+def batches(indices: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Consecutive full batches of `indices`; an incomplete last batch is dropped so all workers step alike."""
+    n_full = len(indices) // batch_size
+    return [indices[i * batch_size : (i + 1) * batch_size] for i in range(n_full)]
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A large odd multiplier keeps (seed, epoch) pairs from colliding for small values of both.
+    return (seed * 1_000_003 + epoch) % (2**63)
+
+
+def assign_blocks(block_rows: list[int], holders: list[set[str]], workers: list[str]) -> dict[str, list[int]]:
+    """Give each Dask-array block to one of `workers`, preferring a worker that already holds it.
+
+    Greedy by size: the largest blocks first, each to the least-loaded worker among its holders (or
+    among all workers when none of its holders trains). Returns block indices per worker.
+    """
+    load = {worker: 0 for worker in workers}
+    assignment: dict[str, list[int]] = {worker: [] for worker in workers}
+    for index in sorted(range(len(block_rows)), key=lambda i: -block_rows[i]):
+        candidates = [w for w in workers if w in holders[index]] or workers
+        chosen = min(candidates, key=lambda w: (load[w], workers.index(w)))
+        # A holder far more loaded than the lightest worker would make shards very unequal; move it.
+        lightest = min(workers, key=lambda w: (load[w], workers.index(w)))
+        if load[chosen] > load[lightest] + block_rows[index]:
+            chosen = lightest
+        assignment[chosen].append(index)
+        load[chosen] += block_rows[index]
+    for blocks in assignment.values():
+        blocks.sort()
+    return assignment

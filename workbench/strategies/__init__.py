@@ -1,0 +1,35 @@
+"""The strategy registry: every strategy by name. The UI's strategy list is filled from here."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .allreduce import AllReduce
+from .average import Average
+from .base import Strategy, StrategySettings, TrainingContext, build_settings
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(strategy_class: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class under its `name` (usable as a decorator)."""
+    STRATEGIES[strategy_class.name] = strategy_class
+    return strategy_class
+
+
+for _strategy in (AllReduce, Average):
+    register(_strategy)
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ConfigError("strategy", name, f"one of {sorted(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def make_settings(name: str, values: dict[str, Any]) -> StrategySettings:
+    """Validated settings of strategy `name`, raising `ConfigError` for unknown or bad values."""
+    return build_settings(get_strategy(name), values)
+
+
+__all__ = ["STRATEGIES", "Strategy", "StrategySettings", "TrainingContext", "get_strategy", "make_settings", "register"]

@@ -1,0 +1,97 @@
+"""The strategy interface: a few hooks the one training loop calls, and the settings each strategy takes.
+
+A strategy decides how workers combine their results. It never owns the loop; it is handed a
+`TrainingContext` (model, optimizer, rank) and returns per-step metrics from its hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass
+class TrainingContext:
+    """What a strategy may touch on a worker."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+@dataclasses.dataclass
+class StrategySettings:
+    """Base of each strategy's settings; fields are what users set, and what may change live."""
+
+    # Settings that may change while the run trains (applied at an agreed step on all workers).
+    live: ClassVar[tuple[str, ...]] = ()
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the setting if a value is not allowed."""
+
+
+class Strategy:
+    """Base class with no-op hooks; subclasses register themselves by `name`."""
+
+    name: ClassVar[str]
+    settings_class: ClassVar[type[StrategySettings]] = StrategySettings
+    uses_process_group: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+
+    def __init__(self, settings: StrategySettings) -> None:
+        self.settings = settings
+
+    def setup(self, context: TrainingContext) -> None:
+        """Called once after the model and optimizer exist, before the first step."""
+
+    def after_backward(self, context: TrainingContext) -> dict[str, Any]:
+        """Called between backward and the optimizer step (gradients are ready)."""
+        return {}
+
+    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+        """Called after each optimizer step; returns metrics such as `comm_s` to merge into the record."""
+        return {}
+
+    def finish(self, context: TrainingContext) -> None:
+        """Called once after the last step: bring workers to the final, common weights."""
+
+    def close(self) -> None:
+        """Release hooks and buffers; called on every exit path."""
+
+    def control_interval(self) -> int:
+        """Steps between control agreements among workers (pause, stop, lr) for process-group strategies."""
+        return 8
+
+    def update_settings(self, changes: dict[str, Any]) -> None:
+        """Apply live setting changes (already validated on the client)."""
+        self.settings = dataclasses.replace(self.settings, **changes)
+
+
+def build_settings(strategy_class: type[Strategy], values: dict[str, Any]) -> StrategySettings:
+    """Validated settings for `strategy_class` from user keyword arguments."""
+    settings_class = strategy_class.settings_class
+    known = {field.name for field in dataclasses.fields(settings_class)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise ConfigError(unknown[0], values[unknown[0]], f"a setting of strategy '{strategy_class.name}' ({allowed})")
+    settings = settings_class(**values)
+    settings.validate()
+    return settings
+
+
+def check_positive_int(parameter: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(parameter, value, "an integer >= 1")
+
+
+def check_positive_number(parameter: str, value: Any) -> None:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(parameter, value, "a finite number > 0")

@@ -1,0 +1,221 @@
+"""The training loop, written once, that every worker runs as one long-lived Dask task.
+
+The loop owns the order of things (control, forward, backward, optimizer step, metrics); the strategy
+plugs in through hooks. It leaves the worker's thread pool (`secede`) so the worker stays responsive,
+reads control state from an in-memory poller, and sends metrics in batches while it trains.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+from distributed import get_client, get_worker, secede
+
+from . import collectives
+from .control import ControlPoller, ControlState
+from .data import DataSource, Shard, concatenate_blocks
+from .errors import TrainingError
+from .evaluation import evaluate
+from .job import Job, loss_function, make_optimizer
+from .metrics import MetricsSender, topic
+from .strategies import StrategySettings, TrainingContext, get_strategy
+
+PAUSE_POLL_S = 0.25
+
+
+@dataclasses.dataclass
+class WorkerTask:
+    """Everything one rank needs, decided on the client."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    job: Job
+    strategy: str
+    settings: StrategySettings
+    shard_samples: int
+    total_steps: int
+    local_data: bool
+    master_host: str
+    master_port: int
+    collective_timeout_s: float
+    metrics_interval_s: float = 0.25
+    step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
+    """Run one rank of a job to its end; returns the rank's summary (and the final weights on rank 0)."""
+    secede()
+    worker = get_worker()
+    _configure_worker_for_training(worker)
+    sender = MetricsSender(lambda message: worker.log_event(topic(task.run_id), message), task.rank,
+                           task.metrics_interval_s)
+    poller = ControlPoller(get_client(), task.run_id)
+    strategy = get_strategy(task.strategy)(task.settings)
+    loop = _Loop(task, strategy, poller, sender)
+    try:
+        sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname())
+        result = loop.run(train_data, eval_data)
+        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"])
+        return result
+    except BaseException as error:
+        sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
+                     traceback=traceback.format_exc())
+        raise
+    finally:
+        sender.flush()
+        poller.close()
+        strategy.close()
+        collectives.destroy_process_group()
+
+
+class _Loop:
+    def __init__(self, task: WorkerTask, strategy: Any, poller: ControlPoller, sender: MetricsSender) -> None:
+        self.task, self.strategy, self.poller, self.sender = task, strategy, poller, sender
+        self.step = 0
+
+    def run(self, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
+        task, job = self.task, self.task.job
+        device = _resolve_device(job.device)
+        torch.manual_seed(job.seed)
+        if self.strategy.uses_process_group:
+            collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
+                                           device, task.collective_timeout_s)
+        if task.local_data:
+            data = concatenate_blocks(*train_data)
+        else:
+            data = train_data.load()
+        if device.type == "cuda" and hasattr(data, "to"):
+            data = data.to(device)  # once per shard, not per step
+        shard = Shard(data, task.world_size, task.rank, job.seed, task.shard_samples, task.local_data)
+        evaluation = eval_data.load() if (eval_data is not None and task.rank == 0) else None
+
+        model = job.model().to(device)
+        optimizer = make_optimizer(job, model.parameters())
+        context = TrainingContext(task.rank, task.world_size, device, model, optimizer)
+        self.strategy.setup(context)
+        loss_fn = loss_function(job)
+        control = ControlState(lr=job.lr, settings=dataclasses.asdict(task.settings))
+        next_agreement, stopped = 0, False
+        try:
+            for epoch in range(1 << 30):
+                if self.step >= task.total_steps:
+                    break
+                for indices in shard.epoch_batches(epoch, job.batch_size):
+                    if self.step >= task.total_steps:
+                        break
+                    wait_s = 0.0
+                    if self.step >= next_agreement:
+                        started = time.perf_counter()
+                        control = self._agree_and_apply(control, context)
+                        wait_s = time.perf_counter() - started
+                        next_agreement = self.step + (self.strategy.control_interval()
+                                                      if self.strategy.uses_process_group else 1)
+                    self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
+                    if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
+                        self._evaluate(model, evaluation, loss_fn, device, epoch)
+                if evaluation is not None and job.eval_every is None:
+                    self._evaluate(model, evaluation, loss_fn, device, epoch)
+        except _StopRequested:
+            stopped = True
+        self.strategy.finish(context)
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if task.rank == 0 else None
+        return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state}
+
+    def _train_step(self, context: TrainingContext, loss_fn: Any, shard: Shard, indices: torch.Tensor,
+                    epoch: int, wait_s: float, device: torch.device) -> None:
+        started = time.perf_counter()
+        if self.task.step_delay_s:
+            time.sleep(self.task.step_delay_s)
+        inputs, targets = shard.data.batch(indices)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        context.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(context.model(inputs), targets)
+        loss.backward()
+        report = self.strategy.after_backward(context)
+        context.optimizer.step()
+        after_step = self.strategy.after_step(context, self.step)
+        comm_s = report.get("comm_s", 0.0) + after_step.get("comm_s", 0.0)
+        loss_value = float(loss.detach())
+        elapsed = time.perf_counter() - started
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"loss became {loss_value} at step {self.step} on worker {self.task.rank}: "
+                                "training diverged. Lower the learning rate or check the data.")
+        record = {
+            "worker": self.task.rank, "step": self.step, "epoch": epoch, "time": time.time(),
+            "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s, "comm_s": comm_s,
+            "wait_s": wait_s, "lr": context.optimizer.param_groups[0]["lr"], "strategy": self.strategy.name,
+        }
+        for key in ("steps_since_sync", "divergence"):
+            if key in after_step:
+                record[key] = after_step[key]
+        self.sender.record(record)
+        self.step += 1
+
+    def _agree_and_apply(self, control: ControlState, context: TrainingContext) -> ControlState:
+        """All ranks take one control state at this step; pausing blocks here until resumed or stopped."""
+        control = self._agree(self.poller.latest())
+        if control.paused and not control.stop:
+            self.sender.event("paused", step=self.step)
+            while control.paused and not control.stop:
+                control = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S)
+                                      if self.task.rank == 0 or not self.strategy.uses_process_group
+                                      else None)
+            if not control.stop:
+                self.sender.event("resumed", step=self.step)
+        if control.stop:
+            raise _StopRequested
+        if control.lr is not None:
+            for group in context.optimizer.param_groups:
+                group["lr"] = control.lr
+        live = {k: v for k, v in control.settings.items()
+                if k in self.strategy.settings.live and getattr(self.strategy.settings, k) != v}
+        if live:
+            self.strategy.update_settings(live)
+        return control
+
+    def _agree(self, local: ControlState | None) -> ControlState:
+        if not self.strategy.uses_process_group:
+            return local if local is not None else self.poller.latest()
+        return collectives.broadcast_object(local if self.task.rank == 0 else None)
+
+    def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
+                  epoch: int) -> None:
+        result = evaluate(model, evaluation, loss_fn, device)
+        self.sender.event("eval", step=self.step, epoch=epoch, **result)
+
+
+def _resolve_device(requested: str) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TrainingError("device='cuda' was asked for, but this worker sees no CUDA device")
+    return torch.device("cuda", 0)  # dask-cuda gives each worker its own GPU as cuda:0
+
+
+def _configure_worker_for_training(worker: Any) -> None:
+    """Quiet the worker's own housekeeping that competes with training for the CPU.
+
+    The statistical profiler samples every thread every 10 ms; on a small machine it costs a visible
+    share of throughput (design.md section 5). Clusters the workbench starts are configured this way
+    already; this also covers existing clusters.
+    """
+    torch.set_num_threads(max(1, int(getattr(worker.state, "nthreads", 1))))
+
+    def stop_profiler() -> None:
+        for name in ("profile", "profile-cycle"):
+            callback = worker.periodic_callbacks.get(name)
+            if callback is not None:
+                callback.stop()
+
+    worker.loop.add_callback(stop_profiler)
