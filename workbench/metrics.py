@@ -43,20 +43,25 @@ class MetricsSender:
     def event(self, kind: str, **fields: Any) -> None:
         """Send a one-off record (lifecycle, evaluation) at once, after any pending steps to keep order."""
         self.flush()
-        self._send({"kind": kind, "worker": self._worker, "time": time.time(), **fields})
+        # Top-level "worker" is taken by Dask (it writes the worker's address there), hence "rank".
+        self._send({"kind": kind, "rank": self._worker, "time": time.time(), **fields})
 
     def flush(self) -> None:
         self._last_flush = self._clock()
         if self._pending:
             records, self._pending = self._pending, []
-            self._send({"kind": "steps", "worker": self._worker, "records": records})
+            self._send({"kind": "steps", "rank": self._worker, "records": records})
 
 
 def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One event-log message to flat records, each with a `kind` ('step', 'eval', lifecycle kinds)."""
     if message.get("kind") == "steps":
         return [{"kind": "step", **record} for record in message["records"]]
-    return [message]
+    record = {key: value for key, value in message.items() if key != "rank"}
+    if "worker" in record:
+        record["address"] = record["worker"]
+    record["worker"] = message.get("rank")
+    return [record]
 
 
 class MetricsTable:

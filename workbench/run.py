@@ -201,7 +201,7 @@ class Run:
         kind = message.get("kind")
         if kind in ("worker-finished", "worker-failed"):
             with self._events:
-                self._finished_workers.add(message["worker"])
+                self._finished_workers.add(message["rank"])
                 self._events.notify_all()
 
     def _supervise(self) -> None:

@@ -42,20 +42,29 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 def assign_blocks(block_rows: list[int], holders: list[set[str]], workers: list[str]) -> dict[str, list[int]]:
     """Give each Dask-array block to one of `workers`, preferring a worker that already holds it.
 
-    Greedy by size: the largest blocks first, each to the least-loaded worker among its holders (or
-    among all workers when none of its holders trains). Returns block indices per worker.
+    First every block goes to its least-loaded holder (or the least-loaded worker when no holder
+    trains); then blocks move from the heaviest to the lightest worker while that narrows the gap,
+    since shards are cut to the smallest one and rows beyond it would go unused.
     """
     load = {worker: 0 for worker in workers}
     assignment: dict[str, list[int]] = {worker: [] for worker in workers}
     for index in sorted(range(len(block_rows)), key=lambda i: -block_rows[i]):
         candidates = [w for w in workers if w in holders[index]] or workers
         chosen = min(candidates, key=lambda w: (load[w], workers.index(w)))
-        # A holder far more loaded than the lightest worker would make shards very unequal; move it.
-        lightest = min(workers, key=lambda w: (load[w], workers.index(w)))
-        if load[chosen] > load[lightest] + block_rows[index]:
-            chosen = lightest
         assignment[chosen].append(index)
         load[chosen] += block_rows[index]
+    while True:
+        heaviest = max(workers, key=lambda w: load[w])
+        lightest = min(workers, key=lambda w: load[w])
+        gap = load[heaviest] - load[lightest]
+        movable = [i for i in assignment[heaviest] if 0 < block_rows[i] < gap]
+        if not movable:
+            break
+        moved = min(movable, key=lambda i: abs(gap - 2 * block_rows[i]))
+        assignment[heaviest].remove(moved)
+        assignment[lightest].append(moved)
+        load[heaviest] -= block_rows[moved]
+        load[lightest] += block_rows[moved]
     for blocks in assignment.values():
         blocks.sort()
     return assignment

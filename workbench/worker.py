@@ -124,11 +124,14 @@ class _Loop:
                     self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
                     if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
                         self._evaluate(model, evaluation, loss_fn, device, epoch)
-                if evaluation is not None and job.eval_every is None:
+                last_epoch = self.step >= task.total_steps
+                if evaluation is not None and job.eval_every is None and not last_epoch:
                     self._evaluate(model, evaluation, loss_fn, device, epoch)
         except _StopRequested:
             stopped = True
         self.strategy.finish(context)
+        if evaluation is not None:  # the final weights, after the strategy's last synchronisation
+            self._evaluate(model, evaluation, loss_fn, device, epoch, final=True)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if task.rank == 0 else None
         return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state}
 
@@ -190,9 +193,9 @@ class _Loop:
         return collectives.broadcast_object(local if self.task.rank == 0 else None)
 
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
-                  epoch: int) -> None:
+                  epoch: int, final: bool = False) -> None:
         result = evaluate(model, evaluation, loss_fn, device)
-        self.sender.event("eval", step=self.step, epoch=epoch, **result)
+        self.sender.event("eval", step=self.step, epoch=epoch, final=final, **result)
 
 
 def _resolve_device(requested: str) -> torch.device:
