@@ -29,6 +29,10 @@ TRAINING_CONFIG: dict[str, Any] = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.admin.system-monitor.gil.enabled": False,
+    # Dask sets MALLOC_TRIM_THRESHOLD_=65536 in workers to return memory to the OS eagerly. Setting it
+    # disables glibc's adaptive mmap threshold, so every large gradient buffer is mmap'd and page-faulted
+    # afresh each step: about 25% slower training steps, measured. Training workers keep glibc's default.
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     # Late subscribers backfill metrics from the scheduler's per-topic event log.
     "distributed.admin.low-level-log-length": 10_000,
 }

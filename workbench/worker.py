@@ -142,7 +142,7 @@ class _Loop:
             time.sleep(self.task.step_delay_s)
         inputs, targets = shard.data.batch(indices)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        context.optimizer.zero_grad(set_to_none=True)
+        context.optimizer.zero_grad(set_to_none=not self.strategy.keeps_gradient_buffers)
         loss = loss_fn(context.model(inputs), targets)
         loss.backward()
         report = self.strategy.after_backward(context)

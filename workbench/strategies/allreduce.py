@@ -1,8 +1,10 @@
 """`allreduce`: synchronous gradient all-reduce every step, bucketed and overlapped with backward (as DDP).
 
-Each bucket's all-reduce starts from a post-accumulate-grad hook as soon as its last gradient is ready,
-so communication of late layers overlaps the backward pass of early ones. `after_backward` waits for
-what is still in flight; that wait is the communication time the step actually pays.
+Gradients live as views into one flat buffer per bucket (DDP's `gradient_as_bucket_view`), so the
+all-reduce works on them in place with no copies. Each bucket's all-reduce starts from a
+post-accumulate-grad hook as soon as its last gradient is ready, so communication of late layers
+overlaps the backward pass of early ones; `after_backward` waits for what is still in flight, and that
+wait is the communication time the step actually pays.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import collectives
-from ..averaging import assign_buckets, flatten, unflatten_into
+from ..averaging import assign_buckets
 from .base import Strategy, StrategySettings, TrainingContext, check_positive_number
 
 
@@ -29,27 +31,48 @@ class AllReduceSettings(StrategySettings):
 class _Bucket:
     def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
         self.parameters = parameters
+        self.buffer = torch.zeros(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
+                                  device=parameters[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for parameter in parameters:
+            self.views.append(self.buffer[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
         self.ready = 0
-        self.vector: torch.Tensor | None = None
         self.work: Any = None
+
+    def attach_gradients(self) -> None:
+        """Make each parameter's gradient the bucket's view again (autograd may have replaced it)."""
+        for parameter, view in zip(self.parameters, self.views):
+            if parameter.grad is None or parameter.grad.data_ptr() != view.data_ptr():
+                if parameter.grad is not None:
+                    view.copy_(parameter.grad)
+                else:
+                    view.zero_()
+                parameter.grad = view
 
 
 class AllReduce(Strategy):
     name = "allreduce"
     settings_class = AllReduceSettings
     uses_process_group = True
+    keeps_gradient_buffers = True
     summary = "Synchronous: gradients averaged every step (like PyTorch DDP). Exact, chatty."
 
     def setup(self, context: TrainingContext) -> None:
         self.world_size = context.world_size
-        parameters = [p for p in context.model.parameters() if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        self.hooks: list[Any] = []
         # Every rank starts from rank 0's weights, whatever the factory's randomness did.
         collectives.broadcast_tensors(list(context.model.state_dict().values()))
+        if self.world_size == 1:
+            return  # nothing to exchange
+        parameters = [p for p in context.model.parameters() if p.requires_grad]
         cap = int(self.settings.bucket_mb * 1024 * 1024)
         groups = assign_buckets([p.numel() * p.element_size() for p in parameters], cap)
         self.buckets = [_Bucket([parameters[i] for i in group]) for group in groups]
-        self.hooks = []
         for bucket in self.buckets:
+            bucket.attach_gradients()
             for parameter in bucket.parameters:
                 self.hooks.append(parameter.register_post_accumulate_grad_hook(self._hook_for(bucket)))
 
@@ -62,26 +85,23 @@ class AllReduce(Strategy):
         return on_gradient_ready
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.parameters]
-        bucket.vector = flatten(grads)
-        bucket.work = collectives.start_all_reduce(bucket.vector)
+        bucket.attach_gradients()
+        bucket.work = collectives.start_all_reduce(bucket.buffer)
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
+        if not self.buckets:
+            return {}
         started = time.perf_counter()
         for bucket in self.buckets:
-            if bucket.work is None:  # some parameter got no gradient this step: send zeros for it
+            if bucket.work is None:  # some parameter got no gradient this step: its zeros still count
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.vector.div_(self.world_size)
-            for parameter in bucket.parameters:
-                if parameter.grad is None:
-                    parameter.grad = torch.zeros_like(parameter)
-            unflatten_into(bucket.vector, [p.grad for p in bucket.parameters])
-            bucket.ready, bucket.vector, bucket.work = 0, None, None
+            bucket.buffer.div_(self.world_size)
+            bucket.ready, bucket.work = 0, None
         return {"comm_s": time.perf_counter() - started}
 
     def close(self) -> None:
-        for hook in getattr(self, "hooks", []):
+        for hook in self.hooks:
             hook.remove()
         self.hooks = []

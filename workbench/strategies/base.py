@@ -41,6 +41,9 @@ class Strategy:
     name: ClassVar[str]
     settings_class: ClassVar[type[StrategySettings]] = StrategySettings
     uses_process_group: ClassVar[bool] = False
+    # True when gradients are views into the strategy's own buffers: the loop then zeroes them in place
+    # instead of dropping them.
+    keeps_gradient_buffers: ClassVar[bool] = False
     summary: ClassVar[str] = ""
 
     def __init__(self, settings: StrategySettings) -> None:

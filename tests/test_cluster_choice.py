@@ -1,0 +1,57 @@
+"""Which cluster `connect()` starts: the CPU default here, LocalCUDACluster only with dask-cuda and a GPU.
+
+The GPU branch cannot run on this machine, so its keyword arguments are checked against a stand-in of
+LocalCUDACluster; the real one runs in the `gpu`-marked tests on a GPU machine.
+"""
+import types
+
+import pytest
+
+import workbench
+from workbench import cluster as cluster_module
+from workbench.errors import ConfigError
+
+
+def test_without_gpus_the_choice_is_cpu_and_never_raises():
+    # With dask-cuda installed but no NVML library, dask-cuda itself raises NVMLError; we must not.
+    assert cluster_module.count_gpus() == 0
+    assert cluster_module.choose_kind("auto", None) == "cpu"
+    if cluster_module.dask_cuda_available():  # installed in CI: its own constructor fails here ...
+        import dask_cuda
+
+        with pytest.raises(Exception, match="NVML"):
+            dask_cuda.LocalCUDACluster(n_workers=1)
+    with pytest.raises(ConfigError, match="^kind='cuda'"):
+        cluster_module.choose_kind("cuda", 1)
+
+
+@pytest.mark.timeout(120)
+def test_embedded_default_is_a_local_cluster_of_single_threaded_processes_configured_for_training():
+    with workbench.client_session(workers=2, dashboard_address=":0") as client:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        assert len(info) == 2 and all(w["nthreads"] == 1 for w in info.values())
+        settings = client.run(lambda: (__import__("dask").config.get("distributed.worker.profile.enabled"),
+                                       __import__("dask").config.get("distributed.worker.daemon")))
+        assert set(settings.values()) == {(False, False)}
+        pids = client.run(__import__("os").getpid)
+        assert len(set(pids.values())) == 2 and __import__("os").getpid() not in pids.values()
+
+
+def test_gpu_branch_starts_local_cuda_cluster_with_one_worker_per_gpu(monkeypatch):
+    calls = {}
+
+    class FakeLocalCUDACluster:
+        def __init__(self, **kwargs):
+            calls.update(kwargs)
+            raise RuntimeError("stand-in stops here")
+
+    monkeypatch.setattr(cluster_module, "count_gpus", lambda: 2)
+    monkeypatch.setattr(cluster_module, "dask_cuda_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=FakeLocalCUDACluster))
+    assert cluster_module.choose_kind("auto", None) == "cuda"
+    assert cluster_module.choose_kind("auto", 3) == "cpu"  # more workers than GPUs: CPU workers
+    with pytest.raises(ConfigError, match="^workers=3"):
+        cluster_module.choose_kind("cuda", 3)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        workbench.connect(workers=2)
+    assert calls["n_workers"] == 2 and calls["threads_per_worker"] == 1 and calls["device_memory_limit"] == 0

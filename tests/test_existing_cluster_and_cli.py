@@ -1,0 +1,100 @@
+"""An existing cluster started with the `dask scheduler` / `dask worker` commands, and the CLI end to end."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import workbench
+
+pytestmark = [pytest.mark.cluster]
+DASK = str(Path(sys.executable).with_name("dask"))
+WORKBENCH = str(Path(sys.executable).with_name("workbench"))
+
+
+@contextlib.contextmanager
+def dask_cluster_on_loopback(tmp_path, workers=2):
+    """`dask scheduler` and `dask worker` processes on 127.0.0.1; all terminated on exit."""
+    scheduler_file = tmp_path / "scheduler.json"
+    environment = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    processes = [subprocess.Popen(
+        [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0",
+         "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() or not scheduler_file.read_text().strip():
+            assert time.monotonic() < deadline, "dask scheduler did not start"
+            assert processes[0].poll() is None, "dask scheduler exited"
+            time.sleep(0.1)
+        address = json.loads(scheduler_file.read_text())["address"]
+        processes.append(subprocess.Popen(
+            [DASK, "worker", address, "--nworkers", str(workers), "--nthreads", "1", "--host", "127.0.0.1",
+             "--dashboard-address", ":0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment))
+        yield address
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+@pytest.mark.timeout(240)
+def test_existing_cluster_started_with_dask_commands_trains_a_job(tmp_path):
+    with dask_cluster_on_loopback(tmp_path) as address:
+        client = workbench.connect(scheduler=address, timeout_s=30)
+        try:
+            client.wait_for_workers(2, timeout=90)
+            job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, epochs=5)
+            run = workbench.train(job, "allreduce", client=client, run_dir=tmp_path / "runs")
+            assert run.wait(timeout=120) == "finished"
+            assert run.config["scheduler"] == address
+            assert run.evaluate()["accuracy"] >= 0.9
+            # The CLI trains on the same cluster through --scheduler.
+            result = subprocess.run(
+                [WORKBENCH, "train", "--scheduler", address, "--strategy", "average", "--period", "2",
+                 "--epochs", "5", "--run-dir", str(tmp_path / "cli-runs"), "--no-progress"],
+                capture_output=True, text=True, timeout=180)
+            assert result.returncode == 0, result.stderr
+            assert "held-out accuracy" in result.stdout
+        finally:
+            client.close()
+
+
+@pytest.mark.timeout(240)
+def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
+    result = subprocess.run(
+        [WORKBENCH, "train", "--strategy", "average", "--period", "4", "--workers", "2", "--epochs", "5",
+         "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr
+    accuracy_lines = [line for line in result.stdout.splitlines() if "accuracy" in line]
+    assert accuracy_lines and float(accuracy_lines[0].split()[-1]) >= 0.9
+    assert "samples/s" in result.stderr  # the live progress bar
+    run_dirs = list(tmp_path.iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "model.pt").exists() and (run_dirs[0] / "summary.json").exists()
+
+
+@pytest.mark.parametrize("arguments,fragment", [
+    (["train", "--workers", "0"], "--workers"),
+    (["train", "--strategy", "nonsense"], "--strategy"),
+    (["train", "--lr", "-1"], "--lr"),
+    (["train", "--dataset", "no_module_here:make"], "--dataset"),
+    (["train", "--batch-size", "5000", "--workers", "2"], "batch_size=5000"),
+    (["train", "--scheduler", "tcp://127.0.0.1:9"], "could not reach"),
+    (["frobnicate"], "invalid choice"),
+])
+@pytest.mark.timeout(120)
+def test_cli_refuses_bad_arguments_with_one_line(arguments, fragment, tmp_path):
+    result = subprocess.run([WORKBENCH, *arguments, "--run-dir", str(tmp_path)] if arguments[0] == "train"
+                            else [WORKBENCH, *arguments], capture_output=True, text=True, timeout=100)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "distributed." not in line]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
