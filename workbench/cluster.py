@@ -29,6 +29,10 @@ TRAINING_CONFIG: dict[str, Any] = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.admin.system-monitor.gil.enabled": False,
+    # Every Dask process wakes its event loop every 20 ms only to warn when the loop was blocked, and
+    # checks memory every 100 ms; each wake-up contends for the GIL with the training thread.
+    "distributed.admin.tick.interval": "500ms",
+    "distributed.worker.memory.monitor-interval": "1s",
     # Dask sets MALLOC_TRIM_THRESHOLD_=65536 in workers to return memory to the OS eagerly. Setting it
     # disables glibc's adaptive mmap threshold, so every large gradient buffer is mmap'd and page-faulted
     # afresh each step: about 25% slower training steps, measured. Training workers keep glibc's default.

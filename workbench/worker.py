@@ -27,6 +27,10 @@ from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 
 PAUSE_POLL_S = 0.25
+# Workers of a process-group strategy agree on control state about this often: rarely enough to cost
+# nothing, often enough that pause and stop feel immediate.
+CONTROL_AGREEMENT_S = 0.25
+MAX_CONTROL_INTERVAL_STEPS = 1024
 
 
 @dataclasses.dataclass
@@ -83,6 +87,7 @@ class _Loop:
     def __init__(self, task: WorkerTask, strategy: Any, poller: ControlPoller, sender: MetricsSender) -> None:
         self.task, self.strategy, self.poller, self.sender = task, strategy, poller, sender
         self.step = 0
+        self._recent_step_s = 0.0  # moving average of step time, for the control interval
 
     def run(self, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
         task, job = self.task, self.task.job
@@ -117,10 +122,9 @@ class _Loop:
                     wait_s = 0.0
                     if self.step >= next_agreement:
                         started = time.perf_counter()
-                        control = self._agree_and_apply(control, context)
+                        control, interval = self._agree_and_apply(control, context)
                         wait_s = time.perf_counter() - started
-                        next_agreement = self.step + (self.strategy.control_interval()
-                                                      if self.strategy.uses_process_group else 1)
+                        next_agreement = self.step + interval
                     self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
                     if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
                         self._evaluate(model, evaluation, loss_fn, device, epoch)
@@ -151,6 +155,7 @@ class _Loop:
         comm_s = report.get("comm_s", 0.0) + after_step.get("comm_s", 0.0)
         loss_value = float(loss.detach())
         elapsed = time.perf_counter() - started
+        self._recent_step_s = elapsed if not self._recent_step_s else 0.9 * self._recent_step_s + 0.1 * elapsed
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss became {loss_value} at step {self.step} on worker {self.task.rank}: "
                                 "training diverged. Lower the learning rate or check the data.")
@@ -165,15 +170,16 @@ class _Loop:
         self.sender.record(record)
         self.step += 1
 
-    def _agree_and_apply(self, control: ControlState, context: TrainingContext) -> ControlState:
-        """All ranks take one control state at this step; pausing blocks here until resumed or stopped."""
-        control = self._agree(self.poller.latest())
+    def _agree_and_apply(self, control: ControlState, context: TrainingContext) -> tuple[ControlState, int]:
+        """All ranks take one control state at this step, and the steps until the next agreement.
+
+        Pausing blocks here until resumed or stopped.
+        """
+        control, interval = self._agree(self.poller.latest())
         if control.paused and not control.stop:
             self.sender.event("paused", step=self.step)
             while control.paused and not control.stop:
-                control = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S)
-                                      if self.task.rank == 0 or not self.strategy.uses_process_group
-                                      else None)
+                control, interval = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S))
             if not control.stop:
                 self.sender.event("resumed", step=self.step)
         if control.stop:
@@ -185,12 +191,25 @@ class _Loop:
                 if k in self.strategy.settings.live and getattr(self.strategy.settings, k) != v}
         if live:
             self.strategy.update_settings(live)
-        return control
+            # A new period moves the sync points; agree again at the next one (the same on every rank,
+            # unlike the timing-based interval only rank 0 computes).
+            interval = self.strategy.control_alignment()
+        return control, interval
 
-    def _agree(self, local: ControlState | None) -> ControlState:
+    def _agree(self, local: ControlState) -> tuple[ControlState, int]:
+        """Rank 0's control state and agreement interval on every rank (each its own without a group)."""
         if not self.strategy.uses_process_group:
-            return local if local is not None else self.poller.latest()
-        return collectives.broadcast_object(local if self.task.rank == 0 else None)
+            return local, 1
+        message = collectives.broadcast_json(
+            {"control": local.to_message(), "interval": self._control_interval()} if self.task.rank == 0 else None)
+        return ControlState.from_message(message["control"]), message["interval"]
+
+    def _control_interval(self) -> int:
+        """Steps until the next agreement: about CONTROL_AGREEMENT_S of training, on the strategy's grid."""
+        alignment = self.strategy.control_alignment()
+        step_s = self._recent_step_s or CONTROL_AGREEMENT_S
+        multiples = max(1, round(CONTROL_AGREEMENT_S / (step_s * alignment)))
+        return min(multiples * alignment, max(alignment, MAX_CONTROL_INTERVAL_STEPS))
 
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
                   epoch: int, final: bool = False) -> None:

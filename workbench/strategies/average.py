@@ -56,9 +56,10 @@ class Average(Strategy):
         if self.steps_since_sync > 0:
             self._synchronise(context)
 
-    def control_interval(self) -> int:
-        # Agree on control at sync points, so a long period is not broken up by extra barriers.
-        return min(self.settings.period, 32)
+    def control_alignment(self) -> int:
+        # Agree on control at sync points, so a period is not broken up by extra barriers; a very long
+        # period would make pause and stop wait for the next sync, so those agree in between.
+        return self.settings.period if self.settings.period <= 32 else 1
 
     def _synchronise(self, context: TrainingContext) -> float:
         local = flatten(self.parameters)

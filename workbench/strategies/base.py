@@ -66,9 +66,9 @@ class Strategy:
     def close(self) -> None:
         """Release hooks and buffers; called on every exit path."""
 
-    def control_interval(self) -> int:
-        """Steps between control agreements among workers (pause, stop, lr) for process-group strategies."""
-        return 8
+    def control_alignment(self) -> int:
+        """Control agreements among workers (pause, stop, lr) happen at multiples of this many steps."""
+        return 1
 
     def update_settings(self, changes: dict[str, Any]) -> None:
         """Apply live setting changes (already validated on the client)."""
