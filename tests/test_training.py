@@ -181,3 +181,24 @@ def test_numpy_data_and_user_errors_surface_with_the_worker_traceback(client, ru
     ok = workbench.train(workbench.Job(model=workbench.mlp(8, 2), data=(inputs, targets), batch_size=16),
                          "allreduce", client=client, run_dir=run_dir)
     assert ok.wait(timeout=60) == "finished"
+
+
+def test_a_torch_dataset_trains_and_any_client_can_subscribe_to_the_metrics(client, run_dir):
+    from distributed import Client
+
+    from workbench.metrics import expand, topic
+
+    data = digits().train.load()
+    dataset = torch.utils.data.TensorDataset(data.inputs, data.targets)
+    job = workbench.Job(model=workbench.mlp(64, 10), data=dataset, eval_data=digits().eval, lr=0.1, momentum=0.9,
+                        batch_size=32, epochs=5)
+    run = workbench.train(job, "average", client=client, run_dir=run_dir, period=4)
+    received = []
+    with Client(client.scheduler.address) as observer:  # e.g. a dashboard process of its own
+        observer.subscribe_topic(topic(run.run_id), lambda event: received.extend(expand(event[1])))
+        run.wait(timeout=120)
+        wait_until(lambda: any(r["kind"] == "worker-finished" for r in received))
+        observer.unsubscribe_topic(topic(run.run_id))
+    steps = [r for r in received if r["kind"] == "step"]
+    assert steps and {r["worker"] for r in steps} == {0, 1}
+    assert run.evaluate()["accuracy"] >= 0.9

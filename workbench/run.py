@@ -270,23 +270,26 @@ class Run:
 
     def pause(self) -> None:
         """Workers stop after their current step (at the next agreed step) until `resume()`."""
-        self._control.update(paused=True)
         if not self.done:
+            self._control.update(paused=True)
             self.status = "paused"
 
     def resume(self) -> None:
-        self._control.update(paused=False)
         if not self.done:
+            self._control.update(paused=False)
             self.status = "running"
 
     def stop(self) -> None:
         """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
-        self._control.update(stop=True)
+        if not self.done:
+            self._control.update(stop=True)
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate on every worker while the run trains."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
             raise ConfigError("lr", lr, "a finite number > 0")
+        if self.done:
+            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
         self._control.update(lr=float(lr))
         self.directory.append([{"kind": "control", "time": time.time(), "lr": float(lr)}])
 
@@ -299,6 +302,8 @@ class Run:
                 raise ConfigError(key, settings[key], f"a live setting of '{self.strategy}' ({', '.join(live) or 'none'})")
         merged = {**self._control.state.settings, **settings}
         make_settings(self.strategy, merged)  # validates values
+        if self.done:
+            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
         self._control.update(settings=settings)
         self.directory.append([{"kind": "control", "time": time.time(), **settings}])
 

@@ -27,6 +27,8 @@ from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 
 PAUSE_POLL_S = 0.25
+# How often each worker reads the control variable from the scheduler (in a thread, off the step path).
+CONTROL_POLL_S = 0.2
 # Workers of a process-group strategy agree on control state about this often: rarely enough to cost
 # nothing, often enough that pause and stop feel immediate.
 CONTROL_AGREEMENT_S = 0.25
@@ -64,7 +66,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     _configure_worker_for_training(worker)
     sender = MetricsSender(lambda message: worker.log_event(topic(task.run_id), message), task.rank,
                            task.metrics_interval_s)
-    poller = ControlPoller(get_client(), task.run_id)
+    poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S)
     strategy = get_strategy(task.strategy)(task.settings)
     loop = _Loop(task, strategy, poller, sender)
     try:

@@ -66,7 +66,8 @@ class AllReduce(Strategy):
         # Every rank starts from rank 0's weights, whatever the factory's randomness did.
         collectives.broadcast_tensors(list(context.model.state_dict().values()))
         if self.world_size == 1:
-            return  # nothing to exchange
+            self.keeps_gradient_buffers = False  # nothing to exchange: plain gradients, as one process
+            return
         parameters = [p for p in context.model.parameters() if p.requires_grad]
         cap = int(self.settings.bucket_mb * 1024 * 1024)
         groups = assign_buckets([p.numel() * p.element_size() for p in parameters], cap)

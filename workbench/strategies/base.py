@@ -43,7 +43,7 @@ class Strategy:
     uses_process_group: ClassVar[bool] = False
     # True when gradients are views into the strategy's own buffers: the loop then zeroes them in place
     # instead of dropping them.
-    keeps_gradient_buffers: ClassVar[bool] = False
+    keeps_gradient_buffers: bool = False
     summary: ClassVar[str] = ""
 
     def __init__(self, settings: StrategySettings) -> None:
