@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distributed import Client, wait
+from distributed import Client
 from distributed.comm import get_address_host
 
 from . import collectives
@@ -32,6 +32,34 @@ from .strategies import get_strategy, make_settings
 from .worker import WorkerTask, train_on_worker
 
 FINISHED_STATES = ("finished", "stopped", "failed")
+
+
+class FutureWatch:
+    """Waits on Dask futures through their own client's done-callbacks.
+
+    `distributed.wait` would use the process's *default* client, which is whichever client was created
+    last (a dashboard's, another notebook cell's) and may run on another event loop.
+    """
+
+    def __init__(self, futures: list[Any]) -> None:
+        self._futures = futures
+        self._changed = threading.Condition()
+        for future in futures:
+            future.add_done_callback(self._notify)
+
+    def _notify(self, _future: Any) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait(self, until_first_error: bool = False, timeout: float | None = None) -> bool:
+        """True when all futures are done (or, with `until_first_error`, one has failed) in time."""
+        def settled() -> bool:
+            if until_first_error and any(f.status == "error" for f in self._futures):
+                return True
+            return all(f.done() for f in self._futures)
+
+        with self._changed:
+            return self._changed.wait_for(settled, timeout=timeout)
 
 
 def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
@@ -181,7 +209,7 @@ class Run:
         targets = source.targets.rechunk((inputs.chunks[0],) + source.targets.chunks[1:])
         input_blocks = client.compute(list(inputs.to_delayed().ravel()))
         target_blocks = client.compute(list(targets.to_delayed().ravel()))
-        wait(input_blocks + target_blocks)
+        FutureWatch(input_blocks + target_blocks).wait()
         holders = client.who_has(input_blocks)
         block_rows = list(inputs.chunks[0])
         assignment = assign_blocks(block_rows, [set(holders.get(f.key, ())) for f in input_blocks], addresses)
@@ -214,13 +242,11 @@ class Run:
 
     def _supervise_tasks(self) -> None:
         futures = self._futures
-        pending = set(futures)
-        while pending and not any(f.status == "error" for f in futures):
-            _, pending = wait(pending, return_when="FIRST_COMPLETED")
+        FutureWatch(futures).wait(until_first_error=True)
         if any(f.status == "error" for f in futures):
             # Stop the others cooperatively; ones blocked in a collective fail when the peer leaves.
             self._control.update(stop=True)
-            wait(futures, timeout=self._collective_timeout_s + 30)
+            FutureWatch(futures).wait(timeout=self._collective_timeout_s + 30)
         errors = []
         for rank, future in enumerate(futures):
             if future.status == "error":
