@@ -113,9 +113,7 @@ class Job:
             _check_number("eval_every", self.eval_every, minimum=1, integer=True)
         if self.device not in DEVICES:
             raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            # Workers may have GPUs the client lacks; that is checked on the worker, so only warn here.
-            pass
+        # device='cuda' is checked on the workers: they may have GPUs the client lacks.
         return PreparedJob(self, train, evaluation, n_parameters)
 
     def describe(self) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class MetricsTable:
         self._lock = threading.Lock()
         self._steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_steps)
         self._other: list[dict[str, Any]] = []
+        self._latest: dict[int, dict[str, Any]] = {}
         self.steps_received = 0
 
     def add(self, records: Iterable[dict[str, Any]]) -> None:
@@ -78,6 +79,7 @@ class MetricsTable:
             for record in records:
                 if record.get("kind") == "step":
                     self._steps.append(record)
+                    self._latest[record["worker"]] = record
                     self.steps_received += 1
                 else:
                     self._other.append(record)
@@ -99,12 +101,7 @@ class MetricsTable:
     def last_steps(self) -> dict[int, dict[str, Any]]:
         """The latest step record of each worker."""
         with self._lock:
-            latest: dict[int, dict[str, Any]] = {}
-            for record in reversed(self._steps):
-                latest.setdefault(record["worker"], record)
-                if len(latest) > 64:
-                    break
-            return latest
+            return dict(self._latest)
 
     def throughput(self, window_s: float = 5.0) -> dict[str, Any]:
         with self._lock:
