@@ -3,7 +3,11 @@
 The GPU branch cannot run on this machine, so its keyword arguments are checked against a stand-in of
 LocalCUDACluster; the real one runs in the `gpu`-marked tests on a GPU machine.
 """
+import os
+import sys
 import types
+
+import dask
 
 import pytest
 
@@ -25,16 +29,21 @@ def test_without_gpus_the_choice_is_cpu_and_never_raises():
         cluster_module.choose_kind("cuda", 1)
 
 
+def _training_settings():
+    """Runs on each worker: the settings `connect()` gives training workers."""
+    return (dask.config.get("distributed.worker.profile.enabled"), dask.config.get("distributed.worker.daemon"),
+            os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+
+
 @pytest.mark.timeout(120)
 def test_embedded_default_is_a_local_cluster_of_single_threaded_processes_configured_for_training():
     with workbench.client_session(workers=2, dashboard_address=":0") as client:
         info = client.scheduler_info(n_workers=-1)["workers"]
         assert len(info) == 2 and all(w["nthreads"] == 1 for w in info.values())
-        settings = client.run(lambda: (__import__("dask").config.get("distributed.worker.profile.enabled"),
-                                       __import__("dask").config.get("distributed.worker.daemon")))
-        assert set(settings.values()) == {(False, False)}
-        pids = client.run(__import__("os").getpid)
-        assert len(set(pids.values())) == 2 and __import__("os").getpid() not in pids.values()
+        settings = client.run(_training_settings)
+        assert set(settings.values()) == {(False, False, None)}
+        pids = client.run(os.getpid)
+        assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
 
 
 def test_gpu_branch_starts_local_cuda_cluster_with_one_worker_per_gpu(monkeypatch):
@@ -47,7 +56,7 @@ def test_gpu_branch_starts_local_cuda_cluster_with_one_worker_per_gpu(monkeypatc
 
     monkeypatch.setattr(cluster_module, "count_gpus", lambda: 2)
     monkeypatch.setattr(cluster_module, "dask_cuda_available", lambda: True)
-    monkeypatch.setitem(__import__("sys").modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=FakeLocalCUDACluster))
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=FakeLocalCUDACluster))
     assert cluster_module.choose_kind("auto", None) == "cuda"
     assert cluster_module.choose_kind("auto", 3) == "cpu"  # more workers than GPUs: CPU workers
     with pytest.raises(ConfigError, match="^workers=3"):

@@ -46,9 +46,11 @@ def test_throughput_per_worker_and_total():
     assert rate["steps_per_s"] == (1.0 + 0.5) / 2
 
 
-def test_throughput_window_uses_only_recent_records():
-    records = _steps(0, [0.0, 10.0, 11.0, 12.0])
-    assert throughput(records, window_s=2.0)["per_worker"][0] == 10.0
+def test_table_throughput_window_uses_only_recent_records():
+    table = MetricsTable()
+    table.add(_steps(0, [0.0, 10.0, 11.0, 12.0]))
+    assert table.throughput(window_s=2.0)["per_worker"][0] == 10.0
+    assert table.throughput(window_s=None)["per_worker"][0] == 30 / 12
 
 
 def test_table_keeps_steps_and_events_apart_and_is_bounded():

@@ -9,10 +9,11 @@ import sys
 import time
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from . import cluster as cluster_module
-from .data import resolve_dataset
+from .data import as_source, resolve_dataset
 from .errors import WorkbenchError
 from .job import OPTIMIZERS, Job
 from .models import mlp
@@ -120,11 +121,9 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
 
 def _shape_of(source: Any) -> tuple[int, int]:
     """Input features and number of classes of a classification dataset, for the CLI's MLP."""
-    from .data import as_source
-
     loaded = as_source(source, "--dataset")
     loaded = loaded.load() if hasattr(loaded, "load") else loaded
-    inputs, targets = loaded.batch(__import__("torch").arange(min(len(loaded), 4096)))
+    inputs, targets = loaded.batch(torch.arange(min(len(loaded), 4096)))
     return int(inputs[0].numel()), int(targets.max()) + 1
 
 

@@ -4,6 +4,7 @@ the engine uses. gloo on CPU, NCCL on GPU; explicit rank, world size, address an
 from __future__ import annotations
 
 import datetime
+import json
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .averaging import flatten, unflatten_into
 from .errors import TrainingError
 
 
@@ -56,8 +58,6 @@ def broadcast_json(value: Any, source_rank: int = 0) -> Any:
     One collective instead of `broadcast_object_list`'s two (size, then payload) plus pickling: this
     runs every few hundred milliseconds in the training loop.
     """
-    import json
-
     buffer = torch.zeros(CONTROL_MESSAGE_BYTES, dtype=torch.uint8)
     if dist.get_rank() == source_rank:
         encoded = json.dumps(value).encode()
@@ -70,8 +70,6 @@ def broadcast_json(value: Any, source_rank: int = 0) -> Any:
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], source_rank: int = 0) -> None:
     """Overwrite `tensors` on every rank with rank `source_rank`'s values (one flat broadcast)."""
-    from .averaging import flatten, unflatten_into
-
     if not tensors:
         return
     vector = flatten(tensors)

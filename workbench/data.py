@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .errors import ConfigError
+from .sharding import batches, local_shuffle, shard_indices
 
 
 class Batches(Protocol):
@@ -236,8 +237,6 @@ class Shard:
         self.samples, self.local = samples, local
 
     def epoch_batches(self, epoch: int, batch_size: int) -> list[torch.Tensor]:
-        from .sharding import batches, local_shuffle, shard_indices
-
         if self.local:
             indices = local_shuffle(len(self.data), self.samples, self.rank, epoch, self.seed)
         else:

@@ -103,10 +103,11 @@ class MetricsTable:
         with self._lock:
             return dict(self._latest)
 
-    def throughput(self, window_s: float = 5.0) -> dict[str, Any]:
+    def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
+        """Rates over the last `window_s` seconds, or over every kept record when None."""
         with self._lock:
-            recent = _recent(self._steps, window_s)
-        return throughput(recent, window_s)
+            records = list(self._steps) if window_s is None else _recent(self._steps, window_s)
+        return throughput(records)
 
 
 def _recent(records: collections.deque, window_s: float) -> list[dict[str, Any]]:
@@ -122,8 +123,8 @@ def _recent(records: collections.deque, window_s: float) -> list[dict[str, Any]]
     return out
 
 
-def throughput(records: list[dict[str, Any]], window_s: float | None = None) -> dict[str, Any]:
-    """Samples/s per worker and in total, and steps/s, over the records' time span (or the last window).
+def throughput(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples/s per worker and in total, and steps/s, over the records' time span.
 
     A worker's rate is the samples of its records after the first one, divided by the time between its
     first and last record: wall-clock, so waiting and overheads count against it.
@@ -135,8 +136,6 @@ def throughput(records: list[dict[str, Any]], window_s: float | None = None) -> 
     steps_per_s: dict[int, float] = {}
     for worker, rows in by_worker.items():
         rows.sort(key=lambda r: r["time"])
-        if window_s is not None:
-            rows = [r for r in rows if r["time"] >= rows[-1]["time"] - window_s]
         span = rows[-1]["time"] - rows[0]["time"]
         if len(rows) < 2 or span <= 0:
             continue

@@ -21,7 +21,7 @@ from distributed.comm import get_address_host
 
 from . import collectives
 from .control import ControlState, ControlWriter
-from .data import BuiltinData, DaskArrayData, DataSource
+from .data import BuiltinData, DaskArrayData, DataSource, as_source
 from .errors import ClusterError, ConfigError, TrainingError
 from .evaluation import evaluate
 from .job import Job, PreparedJob, loss_function
@@ -348,10 +348,6 @@ class Run:
 
     def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
         """Samples/s in total and per worker over the last `window_s` seconds (None: whole run)."""
-        if window_s is None:
-            from .metrics import throughput
-
-            return throughput(self.table.steps().to_dict("records"))
         return self.table.throughput(window_s)
 
     def progress(self) -> float:
@@ -372,8 +368,6 @@ class Run:
 
     def evaluate(self, data: Any = None) -> dict[str, Any]:
         """Loss (and accuracy) of the trained model on held-out data (default: the job's)."""
-        from .data import as_source
-
         source = as_source(data, "data") if data is not None else self._prepared.evaluation
         if source is None:
             raise ConfigError("data", None, "held-out data: pass data= or set Job.eval_data")
@@ -384,9 +378,7 @@ class Run:
         summary: dict[str, Any] = {"run_id": self.run_id, "status": self.status, "strategy": self.strategy,
                                    "total_steps": self.total_steps, "workers": len(self.worker_addresses)}
         if not frame.empty:
-            from .metrics import throughput
-
-            rate = throughput(frame.to_dict("records"))
+            rate = self.table.throughput(None)
             summary.update(steps_done=int(frame.groupby("worker")["step"].max().min()) + 1,
                            samples_per_s=rate["samples_per_s"], final_loss=float(frame["loss"].tail(20).mean()),
                            time_split=time_split(frame))

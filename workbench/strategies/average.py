@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import collectives
 from ..averaging import flatten, optimizer_state_tensors, relative_divergence, unflatten_into
+from ..errors import ConfigError
 from .base import Strategy, StrategySettings, TrainingContext, check_positive_int
 
 
@@ -28,8 +29,6 @@ class AverageSettings(StrategySettings):
     def validate(self) -> None:
         check_positive_int("period", self.period)
         if not isinstance(self.average_optimizer_state, bool):
-            from ..errors import ConfigError
-
             raise ConfigError("average_optimizer_state", self.average_optimizer_state, "True or False")
 
 

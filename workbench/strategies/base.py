@@ -6,6 +6,7 @@ A strategy decides how workers combine their results. It never owns the loop; it
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -94,7 +95,5 @@ def check_positive_int(parameter: str, value: Any) -> None:
 
 
 def check_positive_number(parameter: str, value: Any) -> None:
-    import math
-
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(parameter, value, "a finite number > 0")
