@@ -81,6 +81,18 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     assert len(run_dirs) == 1 and (run_dirs[0] / "model.pt").exists() and (run_dirs[0] / "summary.json").exists()
 
 
+def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):
+    result = subprocess.run(
+        [WORKBENCH, "train", "--strategy", "ssp", "--compression", "topk", "--workers", "2", "--epochs", "2",
+         "--lr", "0.05", "--momentum", "0.7", "--batch-size", "8", "--no-progress", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr
+    lines = {line.split(":")[0]: line for line in result.stdout.splitlines()}
+    mean, maximum = lines["staleness"].replace(",", "").split()[2:5:2]
+    assert 0 < float(mean) <= int(maximum)
+    assert "sent per step" in lines and "throughput" in lines
+
+
 @pytest.mark.parametrize("arguments,fragment", [
     (["train", "--workers", "0"], "--workers"),
     (["train", "--strategy", "nonsense"], "--strategy"),
@@ -89,6 +101,9 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     (["train", "--batch-size", "5000", "--workers", "2"], "batch_size=5000"),
     (["train", "--scheduler", "tcp://127.0.0.1:9"], "could not reach"),
     (["frobnicate"], "invalid choice"),
+    (["train", "--strategy", "allreduce", "--push-every", "4"], "push_every=4"),
+    (["train", "--strategy", "ssp", "--max-staleness", "-1"], "max_staleness=-1"),
+    (["train", "--strategy", "async", "--shards", "3", "--workers", "2"], "shards=3"),
 ])
 @pytest.mark.timeout(120)
 def test_cli_refuses_bad_arguments_with_one_line(arguments, fragment, tmp_path):

@@ -12,17 +12,9 @@ from workbench.data import digits
 from workbench.rundir import read_metrics
 from workbench.sharding import batches, shard_indices
 
+from helpers import wait_until
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
-
-
-def wait_until(condition, timeout_s=30.0, interval_s=0.02):
-    """Poll `condition` until true; fail the test if it is not within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def reference_sgd(job, world_size, total_steps):

@@ -65,6 +65,17 @@ BAD_SETTINGS = [
     ("average_optimizer_state", "average", {"average_optimizer_state": "yes"}),
     ("bucket_mb", "allreduce", {"bucket_mb": -1}),
     ("push_every", "average", {"push_every": 4}),  # a setting the strategy does not have
+    ("push_every", "async", {"push_every": 0}),
+    ("fetch_every", "async", {"fetch_every": -2}),
+    ("max_staleness", "ssp", {"max_staleness": -1}),
+    ("max_staleness", "async", {"max_staleness": 2}),  # only 'ssp' has a bound
+    ("alpha", "easgd", {"alpha": 1.5}),
+    ("alpha", "easgd", {"alpha": float("nan")}),
+    ("compression", "async", {"compression": "gzip"}),
+    ("topk_ratio", "async", {"compression": "topk", "topk_ratio": 0}),
+    ("threshold_tau", "ssp", {"threshold_tau": -1e-3}),
+    ("shards", "easgd", {"shards": 0}),
+    ("staleness_aware_lr", "async", {"staleness_aware_lr": "yes"}),
 ]
 
 

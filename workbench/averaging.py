@@ -64,3 +64,11 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                     tensors.append(value)
     return tensors
+
+
+def elastic_pull(local: torch.Tensor, center: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Elastic averaging's exchange term alpha * (local - center) (Zhang, Choromanska, LeCun 2015).
+
+    The worker subtracts it from its weights and the center adds it: both move towards each other.
+    """
+    return alpha * (local - center)

@@ -18,7 +18,8 @@ from .errors import WorkbenchError
 from .job import OPTIMIZERS, Job
 from .models import mlp
 from .run import train
-from .strategies import STRATEGIES
+from .compression import COMPRESSIONS
+from .strategies import STRATEGIES, make_settings
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -43,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
-    run.add_argument("--period", type=_positive_int, default=None, help="steps between averages ('average')")
+    run.add_argument("--period", type=_positive_int, default=None,
+                     help="steps between averages ('average') or elastic exchanges ('easgd')")
+    run.add_argument("--push-every", type=_positive_int, default=None, help="steps between pushes ('async', 'ssp')")
+    run.add_argument("--max-staleness", type=int, default=None, help="SSP bound in clocks ('ssp'; 0 = BSP)")
+    run.add_argument("--alpha", type=_positive_float, default=None, help="elastic pull strength ('easgd')")
+    run.add_argument("--shards", type=_positive_int, default=None, help="parameter-server shards")
+    run.add_argument("--compression", default=None, choices=COMPRESSIONS, help="what travels to the server")
+    run.add_argument("--topk-ratio", type=_positive_float, default=None, help="fraction sent by --compression topk")
     run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
     run.add_argument("--seed", type=int, default=0)
@@ -74,10 +82,9 @@ def _train(arguments: argparse.Namespace) -> int:
         momentum=arguments.momentum if arguments.optimizer == "sgd" else 0.0, batch_size=arguments.batch_size,
         epochs=arguments.epochs, steps=arguments.steps, lr=arguments.lr, seed=arguments.seed,
     )
-    settings: dict[str, Any] = {}
-    if arguments.period is not None:
-        settings["period"] = arguments.period
+    settings = {name: getattr(arguments, name) for name in SETTING_FLAGS if getattr(arguments, name) is not None}
     job.prepare()  # refuse bad values before a cluster is started
+    make_settings(arguments.strategy, settings)
     if arguments.scheduler:
         client = cluster_module.connect(scheduler=arguments.scheduler)
     else:
@@ -92,6 +99,10 @@ def _train(arguments: argparse.Namespace) -> int:
         return 0
     finally:
         cluster_module.shutdown(client) if not arguments.scheduler else client.close()
+
+
+# Command-line flags that are strategy settings (checked against the chosen strategy's settings).
+SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "topk_ratio")
 
 
 def _follow(run: Any, disable: bool) -> None:
@@ -113,6 +124,12 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
     split = summary.get("time_split", {})
     if split:
         print("step time: " + ", ".join(f"{k} {v:.0%}" for k, v in split.items()))
+    if "staleness" in summary:
+        staleness = summary["staleness"]
+        print(f"staleness: mean {staleness['mean']:.2f}, max {staleness['max']} server versions")
+    if "bytes_sent_per_step" in summary:
+        print(f"sent per step: {summary['bytes_sent_per_step'] / 1024:,.1f} KiB; communication hidden "
+              f"behind compute: {summary.get('comm_hidden_fraction', 0):.0%}")
     print(f"held-out loss: {result['loss']:.4f}")
     if "accuracy" in result:
         print(f"held-out accuracy: {result['accuracy']:.4f}")

@@ -103,6 +103,10 @@ class MetricsTable:
         with self._lock:
             return dict(self._latest)
 
+    def staleness(self) -> dict[int, dict[str, Any]]:
+        """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes}."""
+        return staleness_summary(self.steps())
+
     def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
         """Rates over the last `window_s` seconds, or over every kept record when None."""
         with self._lock:
@@ -155,3 +159,37 @@ def time_split(frame: pd.DataFrame) -> dict[str, float]:
     totals = {name: float(frame[f"{name}_s"].sum()) for name in ("compute", "comm", "wait")}
     whole = sum(totals.values()) or 1.0
     return {name: value / whole for name, value in totals.items()}
+
+
+def staleness_summary(frame: pd.DataFrame) -> dict[int, dict[str, Any]]:
+    """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes} (empty when the
+    strategy does not push to a parameter server)."""
+    if frame.empty or "staleness" not in frame:
+        return {}
+    pushes = frame.dropna(subset=["staleness"])
+    summary = {}
+    for worker, rows in pushes.groupby("worker"):
+        values = rows["staleness"].astype(int)
+        summary[int(worker)] = {"pushes": len(values), "mean": float(values.mean()), "max": int(values.max()),
+                                "histogram": {int(k): int(v) for k, v in values.value_counts().sort_index().items()}}
+    return summary
+
+
+def communication_summary(frame: pd.DataFrame) -> dict[str, float]:
+    """Bytes sent per step, the share of communication time hidden behind computation, and the server's
+    versions per second (for strategies that report them)."""
+    if frame.empty or "bytes_sent" not in frame:
+        return {}
+    steps = len(frame)
+    summary = {"bytes_sent_per_step": float(frame["bytes_sent"].fillna(0).sum()) / steps}
+    if "comm_total_s" in frame:
+        total = float(frame["comm_total_s"].fillna(0).sum())
+        exposed = float(frame["comm_s"].sum())
+        summary["comm_hidden_fraction"] = max(0.0, 1 - exposed / total) if total > 0 else 0.0
+    if "server_version" in frame:
+        versions = frame.dropna(subset=["server_version"])
+        span = versions["time"].max() - versions["time"].min()
+        if len(versions) > 1 and span > 0:
+            summary["server_versions_per_s"] = float(versions["server_version"].max()
+                                                     - versions["server_version"].min()) / span
+    return summary

@@ -25,7 +25,7 @@ from .data import BuiltinData, DaskArrayData, DataSource, as_source
 from .errors import ClusterError, ConfigError, TrainingError
 from .evaluation import evaluate
 from .job import Job, PreparedJob, loss_function
-from .metrics import MetricsTable, expand, time_split, topic
+from .metrics import MetricsTable, communication_summary, expand, staleness_summary, time_split, topic
 from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
 from .sharding import assign_blocks, shard_size
 from .strategies import get_strategy, make_settings
@@ -103,6 +103,7 @@ class Run:
         self._events = threading.Condition()
         self._supervisor: threading.Thread | None = None
         self._prepared: PreparedJob | None = None
+        self._services: Any = None
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -125,6 +126,8 @@ class Run:
 
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
                                      f"{uuid.uuid4().hex[:6]}")
+        # Services (the parameter server) first: they may still refuse the settings for this cluster.
+        self._services = strategy_class.start_services(client, self.run_id, addresses, prepared.job, settings)
         self.directory = RunDirectory(Path(self._run_root) / self.run_id)
         self.config = {
             "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
@@ -151,7 +154,7 @@ class Run:
                 settings=settings, shard_samples=shard_samples, total_steps=self.total_steps,
                 local_data=local, master_host=host, master_port=port,
                 collective_timeout_s=self._collective_timeout_s,
-                step_delay_s=self._step_delays.get(rank, 0.0),
+                step_delay_s=self._step_delays.get(rank, 0.0), services=self._services,
             )
             data = train_payload[address] if local else train_payload
             self._futures.append(client.submit(
@@ -265,6 +268,8 @@ class Run:
         except Exception:
             pass
         self._control.delete()
+        if self._services is not None:
+            self._services.release()
         if errors:
             self.error = "\n".join(errors)
             self.status = "failed"
@@ -346,6 +351,10 @@ class Run:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return self.table.events(kind)
 
+    def staleness(self) -> dict[int, dict[str, Any]]:
+        """Per worker: pushes, staleness mean and max, histogram (parameter-server strategies)."""
+        return self.table.staleness()
+
     def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
         """Samples/s in total and per worker over the last `window_s` seconds (None: whole run)."""
         return self.table.throughput(window_s)
@@ -382,6 +391,14 @@ class Run:
             summary.update(steps_done=int(frame.groupby("worker")["step"].max().min()) + 1,
                            samples_per_s=rate["samples_per_s"], final_loss=float(frame["loss"].tail(20).mean()),
                            time_split=time_split(frame))
+            staleness = staleness_summary(frame)
+            if staleness:
+                pushes = sum(s["pushes"] for s in staleness.values())
+                summary["staleness"] = {
+                    "mean": sum(s["mean"] * s["pushes"] for s in staleness.values()) / pushes,
+                    "max": max(s["max"] for s in staleness.values()),
+                    "per_worker": staleness}
+            summary.update(communication_summary(frame))
         if self.error:
             summary["error"] = self.error
         return summary

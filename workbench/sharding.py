@@ -68,3 +68,19 @@ def assign_blocks(block_rows: list[int], holders: list[set[str]], workers: list[
     for blocks in assignment.values():
         blocks.sort()
     return assignment
+
+
+def split_ranges(n_items: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous (start, stop) ranges covering `n_items`, sizes differing by at most one.
+
+    How a parameter vector is cut over parameter-server shards.
+    """
+    if parts < 1 or parts > max(1, n_items):
+        raise ValueError(f"cannot split {n_items} items into {parts} parts")
+    base, extra = divmod(n_items, parts)
+    ranges, start = [], 0
+    for part in range(parts):
+        stop = start + base + (1 if part < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges

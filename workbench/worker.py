@@ -22,7 +22,7 @@ from .control import ControlPoller, ControlState
 from .data import DataSource, Shard, concatenate_blocks
 from .errors import TrainingError
 from .evaluation import evaluate
-from .job import Job, loss_function, make_optimizer
+from .job import Job, loss_function
 from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 
@@ -53,6 +53,7 @@ class WorkerTask:
     collective_timeout_s: float
     metrics_interval_s: float = 0.25
     step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
+    services: Any = None  # the strategy's shared services (the parameter server's actors)
 
 
 class _StopRequested(Exception):
@@ -108,8 +109,9 @@ class _Loop:
         evaluation = eval_data.load() if (eval_data is not None and task.rank == 0) else None
 
         model = job.model().to(device)
-        optimizer = make_optimizer(job, model.parameters())
-        context = TrainingContext(task.rank, task.world_size, device, model, optimizer)
+        optimizer = self.strategy.local_optimizer(job, model.parameters())
+        context = TrainingContext(task.rank, task.world_size, device, model, optimizer, task.services,
+                                  task.collective_timeout_s)
         self.strategy.setup(context)
         loss_fn = loss_function(job)
         control = ControlState(lr=job.lr, settings=dataclasses.asdict(task.settings))
@@ -155,6 +157,7 @@ class _Loop:
         context.optimizer.step()
         after_step = self.strategy.after_step(context, self.step)
         comm_s = report.get("comm_s", 0.0) + after_step.get("comm_s", 0.0)
+        strategy_wait_s = after_step.get("wait_s", 0.0)  # e.g. SSP holding a worker back
         loss_value = float(loss.detach())
         elapsed = time.perf_counter() - started
         self._recent_step_s = elapsed if not self._recent_step_s else 0.9 * self._recent_step_s + 0.1 * elapsed
@@ -163,12 +166,12 @@ class _Loop:
                                 "training diverged. Lower the learning rate or check the data.")
         record = {
             "worker": self.task.rank, "step": self.step, "epoch": epoch, "time": time.time(),
-            "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s, "comm_s": comm_s,
-            "wait_s": wait_s, "lr": context.optimizer.param_groups[0]["lr"], "strategy": self.strategy.name,
+            "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s - strategy_wait_s,
+            "comm_s": comm_s, "wait_s": wait_s + strategy_wait_s, "lr": context.optimizer.param_groups[0]["lr"],
+            "strategy": self.strategy.name,
         }
-        for key in ("steps_since_sync", "divergence"):
-            if key in after_step:
-                record[key] = after_step[key]
+        # Strategy-specific fields: steps_since_sync, divergence, staleness, bytes_sent, clock, ...
+        record.update({k: v for k, v in after_step.items() if k not in ("comm_s", "wait_s")})
         self.sender.record(record)
         self.step += 1
 

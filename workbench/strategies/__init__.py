@@ -7,6 +7,7 @@ from ..errors import ConfigError
 from .allreduce import AllReduce
 from .average import Average
 from .base import Strategy, StrategySettings, TrainingContext, build_settings
+from .parameter_server import AsyncSGD, ElasticAveraging, StaleSynchronous
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -17,7 +18,7 @@ def register(strategy_class: type[Strategy]) -> type[Strategy]:
     return strategy_class
 
 
-for _strategy in (AllReduce, Average):
+for _strategy in (AllReduce, Average, AsyncSGD, StaleSynchronous, ElasticAveraging):
     register(_strategy)
 
 

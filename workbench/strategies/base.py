@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..job import make_optimizer
 
 
 @dataclasses.dataclass
@@ -23,6 +24,8 @@ class TrainingContext:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    services: Any = None  # what `Strategy.start_services` made on the client (e.g. the parameter server)
+    timeout_s: float = 60.0  # the most any wait on other workers or services may take
 
 
 @dataclasses.dataclass
@@ -49,6 +52,16 @@ class Strategy:
 
     def __init__(self, settings: StrategySettings) -> None:
         self.settings = settings
+
+    @classmethod
+    def start_services(cls, client: Any, run_id: str, addresses: list[str], job: Any,
+                       settings: StrategySettings) -> Any:
+        """Client side, before the workers start: create shared services (an object with `release()`)."""
+        return None
+
+    def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
+        """The optimizer each worker steps its own model with (default: the job's)."""
+        return make_optimizer(job, parameters)
 
     def setup(self, context: TrainingContext) -> None:
         """Called once after the model and optimizer exist, before the first step."""

@@ -1,0 +1,121 @@
+"""Compression of what workers send (pure tensor logic, no I/O): fp16, top-k and Strom's threshold
+quantization, the latter two with error feedback so nothing that was not sent is lost.
+
+A `Packet` is what travels; `decode` rebuilds the dense vector on the receiving side. `ErrorFeedback`
+keeps the residual (accumulated minus sent) and adds it to the next update, as in Strom (2015) and
+Seide et al. (2014): over time every coordinate's full update is delivered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+COMPRESSIONS = ("none", "fp16", "topk", "threshold")
+# Compressions that send only some coordinates and keep the rest in a residual.
+SPARSE_COMPRESSIONS = ("topk", "threshold")
+
+
+@dataclasses.dataclass
+class Packet:
+    """A compressed vector of `numel` float32 values.
+
+    dense (none, fp16): `values` holds every coordinate. sparse (topk): `indices` and their `values`.
+    threshold: `indices` and one sign bit each (`values` int8 +/-1), every value is +/- `scale`.
+    """
+
+    kind: str
+    numel: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    scale: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor payload that travel (the small header is not counted)."""
+        size = self.values.numel() * self.values.element_size()
+        if self.indices is not None:
+            size += self.indices.numel() * self.indices.element_size()
+        return size
+
+
+def decode(packet: Packet) -> torch.Tensor:
+    """The dense float32 vector a packet stands for."""
+    if packet.kind in ("none", "fp16"):
+        return packet.values.float()
+    dense = torch.zeros(packet.numel, dtype=torch.float32)
+    if packet.kind == "topk":
+        dense[packet.indices.long()] = packet.values
+    else:  # threshold
+        dense[packet.indices.long()] = packet.values.float() * packet.scale
+    return dense
+
+
+def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_tau: float = 1e-3) -> Packet:
+    """Compress a flat float32 vector (no error feedback: see `ErrorFeedback`)."""
+    vector = vector.detach().reshape(-1).float()
+    numel = vector.numel()
+    if kind == "none":
+        return Packet("none", numel, vector.clone())
+    if kind == "fp16":
+        limit = torch.finfo(torch.float16).max  # clamp instead of overflowing to inf
+        return Packet("fp16", numel, vector.clamp(-limit, limit).half())
+    if kind == "topk":
+        k = max(1, math.ceil(topk_ratio * numel))
+        indices = torch.topk(vector.abs(), k, sorted=False).indices
+        return Packet("topk", numel, vector[indices].clone(), indices.int())
+    if kind == "threshold":
+        tau = power_of_two(threshold_tau)
+        indices = torch.nonzero(vector.abs() >= tau).reshape(-1)
+        signs = torch.sign(vector[indices]).to(torch.int8)
+        return Packet("threshold", numel, signs, indices.int(), tau)
+    raise ConfigError("compression", kind, f"one of {list(COMPRESSIONS)}")
+
+
+def power_of_two(tau: float) -> float:
+    """`tau` rounded to the nearest power of two.
+
+    Subtracting a power of two 2^k from a float32 x with |x| >= 2^k and the same sign is exact, so the
+    threshold residual x - tau loses nothing to rounding: sent + residual equals the update bit for bit.
+    """
+    return 2.0 ** round(math.log2(tau))
+
+
+class ErrorFeedback:
+    """Compression with a residual: encodes update + residual, keeps what was not sent for next time.
+
+    fp16 and none keep no residual (fp16's rounding error is below the gradient noise); topk and
+    threshold would otherwise drop most of every update.
+    """
+
+    def __init__(self, kind: str, numel: int, topk_ratio: float = 0.01, threshold_tau: float = 1e-3) -> None:
+        self.kind, self.topk_ratio, self.threshold_tau = kind, topk_ratio, threshold_tau
+        self.keeps_residual = kind in SPARSE_COMPRESSIONS
+        self.residual = torch.zeros(numel, dtype=torch.float32) if self.keeps_residual else None
+
+    def encode(self, update: torch.Tensor) -> Packet:
+        if not self.keeps_residual:
+            return encode(update, self.kind)
+        accumulated = self.residual + update.reshape(-1)
+        packet = encode(accumulated, self.kind, self.topk_ratio, self.threshold_tau)
+        self.residual = accumulated - decode(packet)
+        return packet
+
+    def state(self) -> dict[str, Any]:
+        return {"residual": None if self.residual is None else self.residual.clone()}
+
+
+def validate_compression(compression: Any, topk_ratio: Any, threshold_tau: Any) -> None:
+    """Raise `ConfigError` naming the setting when a compression option is not allowed."""
+    if compression not in COMPRESSIONS:
+        raise ConfigError("compression", compression, f"one of {list(COMPRESSIONS)}")
+    if (isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float)) or not math.isfinite(topk_ratio)
+            or not 0 < topk_ratio <= 1):
+        raise ConfigError("topk_ratio", topk_ratio, "a fraction in (0, 1], e.g. 0.01 to send 1% of the values")
+    if (isinstance(threshold_tau, bool) or not isinstance(threshold_tau, (int, float))
+            or not math.isfinite(threshold_tau) or threshold_tau <= 0):
+        raise ConfigError("threshold_tau", threshold_tau, "a finite number > 0 (values beyond +/- tau are sent)")

@@ -1,0 +1,263 @@
+"""The parameter server: global weights, version counter and server-side optimizer in Dask actors.
+
+`ParameterShard` is the actor, one per contiguous range of the flattened parameters (`shards=K` puts K
+of them on different workers). It is a thin shell: bookkeeping (versions, clocks, staleness) is the pure
+`ServerBook`, compression is `compression.decode`. Tensor arithmetic runs in plain methods, on the
+worker's single actor thread; waiting (the SSP bound, the end of the run) happens in `async def` methods
+on the worker's event loop, so a waiting worker never blocks the actor thread for the others.
+
+`ServerHandle` is the picklable description the client hands to the workers; `ServerClient` is the
+worker-side view that splits vectors over the shards and calls them concurrently.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from typing import Any
+
+import torch
+
+from .averaging import elastic_pull
+from .compression import Packet, decode
+from .errors import TrainingError
+from .job import Job, make_optimizer
+from .sharding import split_ranges
+from .staleness import ServerBook
+
+
+class ParameterShard:
+    """Dask actor holding one range of the global parameters and the server-side optimizer over it."""
+
+    def __init__(self, index: int, weights: torch.Tensor, job: Job, workers: list[int],
+                 staleness_aware_lr: bool = False) -> None:
+        self.index = index
+        self.parameter = torch.nn.Parameter(weights.detach().clone().float(), requires_grad=False)
+        self.optimizer = make_optimizer(job, [self.parameter])
+        self.staleness_aware_lr = staleness_aware_lr
+        self.book = ServerBook(workers)
+        # Elastic averaging: the server's copy of each worker's weights, kept equal to the worker's own
+        # copy by applying the same decoded updates on both sides (so only compressed deltas travel).
+        self.mirrors: dict[int, torch.Tensor] = {}
+        self.created = time.time()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self.waiting = 0
+
+    # --- tensor work: plain methods, run on the actor thread --------------------------------------------
+
+    def fetch(self, worker: int) -> tuple[int, torch.Tensor]:
+        version = self.book.fetch(worker)
+        return version, self.parameter.data.clone()  # a copy: serialisation happens after we return
+
+    def push(self, worker: int, packet: Packet, lr: float, clock: int | None = None,
+             fetch: bool = False) -> dict[str, Any]:
+        """Apply one worker's accumulated gradient with the server optimizer; optionally return the weights."""
+        gradient = decode(packet)
+        receipt = self.book.push(worker, clock)
+        scale = 1.0 / max(1, receipt.staleness) if self.staleness_aware_lr else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * scale
+        self.parameter.grad = gradient
+        self.optimizer.step()
+        self.parameter.grad = None
+        reply = dataclasses.asdict(receipt)
+        if fetch:
+            reply["version"] = self.book.fetch(worker)
+            reply["weights"] = self.parameter.data.clone()
+        self._notify()
+        return reply
+
+    def elastic(self, worker: int, packet: Packet, alpha: float, clock: int | None = None) -> dict[str, Any]:
+        """Elastic averaging exchange: returns the pull the worker subtracts from its weights."""
+        center = self.parameter.data
+        mirror = self.mirrors.setdefault(worker, center.clone())
+        mirror += decode(packet)
+        pull = elastic_pull(mirror, center, alpha)
+        center += pull
+        mirror -= pull
+        receipt = self.book.exchange(worker, clock)
+        self._notify()
+        return {**dataclasses.asdict(receipt), "pull": pull}
+
+    def finish(self, worker: int) -> int:
+        self.book.finish(worker)
+        self._notify()
+        return self.book.version
+
+    def weights(self) -> torch.Tensor:
+        return self.parameter.data.clone()
+
+    def stats(self) -> dict[str, Any]:
+        return {"index": self.index, "version": self.book.version, "clocks": dict(self.book.clocks),
+                "finished": sorted(self.book.finished), "waiting": self.waiting,
+                "staleness_counts": {w: dict(c) for w, c in self.book.staleness_counts.items()},
+                "versions_per_s": self.book.version / max(1e-9, time.time() - self.created)}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    # --- waiting: async methods on the worker's event loop ------------------------------------------------
+
+    async def wait_for_clock(self, worker: int, clock: int, max_staleness: int, timeout_s: float) -> dict[str, Any]:
+        """Return once `worker` at `clock` is within `max_staleness` clocks of the slowest worker (SSP)."""
+        started = time.perf_counter()
+        await self._wait_until(lambda: self.book.may_proceed(worker, clock, max_staleness), timeout_s,
+                               f"worker {worker} waited for the slowest worker to reach clock "
+                               f"{clock - max_staleness}")
+        slowest = min(self.book.slowest_clock(), clock)
+        return {"waited_s": time.perf_counter() - started, "clock_gap": clock - slowest, "slowest_clock": slowest}
+
+    async def wait_finished(self, workers: list[int], timeout_s: float) -> int:
+        """Return the final version once every worker in `workers` has finished."""
+        await self._wait_until(lambda: self.book.all_finished(workers), timeout_s,
+                               f"waited for workers {sorted(set(workers) - self.book.finished)} to finish")
+        return self.book.version
+
+    async def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        deadline = loop.time() + timeout_s
+        self.waiting += 1
+        try:
+            while True:
+                # Clear before checking: a change made after the check sets the event again.
+                self._changed.clear()
+                if condition():
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"{what}: no progress within {timeout_s} s")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting -= 1
+
+    def _notify(self) -> None:
+        # Called on the actor thread; the waiters live on the event loop.
+        loop, changed = self._loop, self._changed
+        if loop is not None and changed is not None:
+            loop.call_soon_threadsafe(changed.set)
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    """The shards of one run's parameter server (picklable, handed to every worker) and their ranges."""
+
+    actors: list[Any]
+    ranges: list[tuple[int, int]]
+    futures: list[Any] = dataclasses.field(default_factory=list, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the actors; the futures that keep the actors alive stay with the client.
+        return {"actors": self.actors, "ranges": self.ranges, "futures": []}
+
+    def release(self) -> None:
+        """Let the actors go (the client's references are what keep them alive)."""
+        for future in self.futures:
+            future.release()
+        self.futures.clear()
+
+
+def start_parameter_server(client: Any, run_id: str, addresses: list[str], weights: torch.Tensor, job: Job,
+                           shards: int, world_size: int, staleness_aware_lr: bool) -> ServerHandle:
+    """Create `shards` actors over contiguous ranges of `weights`, spread over the run's workers."""
+    ranges = split_ranges(weights.numel(), shards)
+    futures = [
+        client.submit(ParameterShard, index, weights[start:stop].clone(), job, list(range(world_size)),
+                      staleness_aware_lr, actor=True, workers=[addresses[index % len(addresses)]],
+                      allow_other_workers=False, pure=False, key=f"workbench-{run_id}-server-{index}-{uuid.uuid4().hex[:8]}")
+        for index, (start, stop) in enumerate(ranges)
+    ]
+    actors = [future.result() for future in futures]
+    return ServerHandle(actors, ranges, futures)
+
+
+class Call:
+    """Calls to every shard in flight; `done()` never blocks, `result()` waits with a timeout.
+
+    The calls are awaited on the worker's event loop, which notes when the last reply arrived, so the
+    round-trip time is exact even when the training thread collects the result later.
+    """
+
+    def __init__(self, futures: list[Any], loop: asyncio.AbstractEventLoop | None) -> None:
+        self.started = time.perf_counter()
+        self._futures = futures
+        self._done: ConcurrentFuture | None = None
+        if loop is not None:
+            self._done = asyncio.run_coroutine_threadsafe(self._gather(), loop)
+
+    async def _gather(self) -> tuple[list[Any], float]:
+        return [await future for future in self._futures], time.perf_counter()
+
+    def done(self) -> bool:
+        if self._done is not None:
+            return self._done.done()
+        return all(future.done() for future in self._futures)
+
+    def result(self, timeout_s: float) -> tuple[list[Any], float]:
+        """(replies of all shards, seconds from start to the last reply)."""
+        try:
+            if self._done is not None:
+                replies, finished = self._done.result(timeout_s)
+            else:
+                replies, finished = [future.result(timeout_s) for future in self._futures], time.perf_counter()
+        except TimeoutError:
+            raise TrainingError(f"the parameter server did not answer within {timeout_s} s") from None
+        return replies, finished - self.started
+
+
+class ServerClient:
+    """A worker's (or the client's) view of the sharded server."""
+
+    def __init__(self, handle: ServerHandle, timeout_s: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.actors, self.ranges, self.timeout_s, self._loop = handle.actors, handle.ranges, timeout_s, loop
+
+    def split(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        return [vector[start:stop] for start, stop in self.ranges]
+
+    def fetch(self, worker: int) -> tuple[int, torch.Tensor]:
+        replies, _ = self._call(lambda actor, _: actor.fetch(worker)).result(self.timeout_s)
+        return replies[0][0], torch.cat([weights for _, weights in replies])
+
+    def push(self, worker: int, packets: list[Packet], lr: float, clock: int | None, fetch: bool) -> Call:
+        return self._call(lambda actor, i: actor.push(worker, packets[i], lr, clock, fetch))
+
+    def elastic(self, worker: int, packets: list[Packet], alpha: float, clock: int | None) -> Call:
+        return self._call(lambda actor, i: actor.elastic(worker, packets[i], alpha, clock))
+
+    def wait_for_clock(self, worker: int, clock: int, max_staleness: int) -> dict[str, Any]:
+        # Clocks live on shard 0, the coordinator.
+        return self.actors[0].wait_for_clock(worker, clock, max_staleness, self.timeout_s).result(self.timeout_s + 5)
+
+    def finish(self, worker: int, world_size: int) -> int:
+        self._call(lambda actor, _: actor.finish(worker)).result(self.timeout_s)
+        return self.actors[0].wait_finished(list(range(world_size)), self.timeout_s).result(self.timeout_s + 5)
+
+    def weights(self) -> torch.Tensor:
+        replies, _ = self._call(lambda actor, _: actor.weights()).result(self.timeout_s)
+        return torch.cat(replies)
+
+    def stats(self) -> list[dict[str, Any]]:
+        replies, _ = self._call(lambda actor, _: actor.stats()).result(self.timeout_s)
+        return replies
+
+    def _call(self, method: Callable[[Any, int], Any]) -> Call:
+        return Call([method(actor, index) for index, actor in enumerate(self.actors)], self._loop)
+
+
+def merge_replies(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One view of the shards' replies: shard 0's version and clock gap, the largest staleness, and the
+    dense vectors ('weights', 'pull') joined back together in range order."""
+    merged = {"version": replies[0]["version"], "staleness": max(r["staleness"] for r in replies),
+              "clock_gap": replies[0]["clock_gap"], "slowest_clock": replies[0]["slowest_clock"]}
+    for key in ("weights", "pull"):
+        if key in replies[0]:
+            merged[key] = torch.cat([r[key] for r in replies])
+    return merged

@@ -1,0 +1,350 @@
+"""Asynchronous strategies around the parameter server: `async` (Downpour SGD), `ssp` (stale-synchronous
+parallel) and `easgd` (elastic averaging).
+
+Each worker trains on its own and talks to the server (Dask actors, see `server.py`) every few steps,
+never through a process group. One call to the server is in flight at a time and runs in the
+background while the next steps compute: a worker blocks only when the previous call has not returned
+by the time the next is due (`comm_s`, the exposed part); `comm_total_s` is the whole round trip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from distributed import get_worker
+
+from ..averaging import flatten
+from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
+from ..errors import ConfigError
+from ..server import Call, ServerClient, merge_replies, start_parameter_server
+from .base import Strategy, StrategySettings, TrainingContext, check_positive_int, check_positive_number
+
+
+@dataclasses.dataclass
+class ServerOptions(StrategySettings):
+    """Settings shared by the strategies that talk to the parameter server."""
+
+    shards: int = 1
+    """Parameter-server actors, each holding a contiguous range of the parameters, on different workers."""
+    overlap: bool = True
+    """Run each exchange with the server in the background while the next steps compute."""
+    compression: str = "none"
+    """What travels to the server: 'none', 'fp16', 'topk' (largest `topk_ratio` of values) or 'threshold'."""
+    topk_ratio: float = 0.01
+    threshold_tau: float = 1e-3
+    """Strom's threshold: values beyond +/- tau are sent as +/- tau; the rest waits in the residual. Used
+    rounded to the nearest power of two (1e-3 -> 2^-10), which keeps the residual arithmetic exact."""
+
+    def validate(self) -> None:
+        check_positive_int("shards", self.shards)
+        if not isinstance(self.overlap, bool):
+            raise ConfigError("overlap", self.overlap, "True or False")
+        validate_compression(self.compression, self.topk_ratio, self.threshold_tau)
+
+
+@dataclasses.dataclass
+class AsyncSettings(ServerOptions):
+    live = ("push_every", "fetch_every", "staleness_aware_lr")
+
+    push_every: int = 1
+    """Steps between pushes of the accumulated gradients."""
+    fetch_every: int | None = None
+    """Steps between fetches of the server's weights (default: with every push)."""
+    staleness_aware_lr: bool = False
+    """The server divides each push's learning rate by its staleness (Zhang et al. 2016)."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive_int("push_every", self.push_every)
+        if self.fetch_every is not None:
+            check_positive_int("fetch_every", self.fetch_every)
+        if not isinstance(self.staleness_aware_lr, bool):
+            raise ConfigError("staleness_aware_lr", self.staleness_aware_lr, "True or False")
+
+
+@dataclasses.dataclass
+class SSPSettings(AsyncSettings):
+    live = AsyncSettings.live + ("max_staleness",)
+
+    max_staleness: int = 2
+    """Clocks (push windows) a worker may be ahead of the slowest; 0 is bulk-synchronous."""
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError("max_staleness", self.max_staleness, "an integer >= 0 (0 = bulk-synchronous)")
+
+
+@dataclasses.dataclass
+class EASGDSettings(ServerOptions):
+    live = ("period", "alpha")
+
+    period: int = 4
+    """Steps between elastic exchanges with the center variable."""
+    alpha: float = 0.5
+    """Strength of the elastic pull between a worker and the center, in (0, 1]."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive_int("period", self.period)
+        check_positive_number("alpha", self.alpha)
+        if self.alpha > 1:
+            raise ConfigError("alpha", self.alpha, "a number in (0, 1]")
+
+
+class _ServerStrategy(Strategy):
+    """What the parameter-server strategies share: the server connection, the one background call,
+    the metrics of each exchange, and the end of the run (everyone takes the server's final weights)."""
+
+    uses_process_group = False
+    settings: ServerOptions
+
+    @classmethod
+    def start_services(cls, client: Any, run_id: str, addresses: list[str], job: Any,
+                       settings: ServerOptions) -> Any:
+        if settings.shards > len(addresses):
+            raise ConfigError("shards", settings.shards, f"at most {len(addresses)}, the run's workers",
+                              "Use fewer shards or more workers")
+        torch.manual_seed(job.seed)  # the same initial weights the workers build
+        weights = flatten(list(job.model().parameters()))
+        server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, settings) else job
+        return start_parameter_server(client, run_id, addresses, weights, server_job, settings.shards,
+                                      len(addresses), getattr(settings, "staleness_aware_lr", False))
+
+    def setup(self, context: TrainingContext) -> None:
+        try:
+            loop = get_worker().loop.asyncio_loop
+        except ValueError:  # not on a worker (tests drive strategies from the client)
+            loop = None
+        self.server = ServerClient(context.services, context.timeout_s, loop)
+        self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
+        self.parameters = list(context.model.parameters())
+        self.numel = sum(p.numel() for p in self.parameters)
+        self.compressors = [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
+                                          self.settings.threshold_tau) for start, stop in self.server.ranges]
+        _, weights = self.server.fetch(self.rank)
+        self._load(weights)
+        self.pending: Call | None = None
+        self.clock = 0
+        # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
+        # lower bound between replies.
+        self.known_slowest_clock = 0
+
+    def _encode(self, vector: torch.Tensor) -> tuple[list[Any], int]:
+        packets = [compressor.encode(part) for compressor, part in zip(self.compressors, self.server.split(vector))]
+        return packets, sum(packet.nbytes for packet in packets)
+
+    def _load(self, vector: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for parameter in self.parameters:
+                count = parameter.numel()
+                parameter.copy_(vector[offset:offset + count].view_as(parameter))
+                offset += count
+
+    def _collect(self, block: bool) -> dict[str, Any]:
+        """Take the in-flight call's replies if they are back (waiting for them when `block`)."""
+        if self.pending is None or (not block and not self.pending.done()):
+            return {}
+        started = time.perf_counter()
+        replies, round_trip_s = self.pending.result(self.timeout_s)
+        exposed = time.perf_counter() - started
+        self.pending = None
+        reply = merge_replies(replies)
+        self.known_slowest_clock = max(self.known_slowest_clock, reply["slowest_clock"])
+        received = self._apply(reply)
+        return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply["staleness"],
+                "server_version": reply["version"], "clock_gap": reply["clock_gap"], "bytes_received": received}
+
+    def _apply(self, reply: dict[str, Any]) -> int:
+        """Use a reply on the local weights; returns the bytes it brought."""
+        return 0
+
+    def finish(self, context: TrainingContext) -> None:
+        self._collect(block=True)
+        self._flush(context)
+        self._collect(block=True)
+        self.server.finish(self.rank, self.world_size)
+        self._load(self.server.weights())  # every worker ends with the server's (center's) weights
+
+    def _flush(self, context: TrainingContext) -> None:
+        """Send what is still unsent at the end of the run."""
+
+
+def _momentum_on_workers(job: Any, settings: ServerOptions) -> bool:
+    """Sparsified pushes with SGD momentum keep the momentum on the workers, before compression.
+
+    Server-side momentum would amplify each coordinate's delayed, accumulated residual when it is finally
+    sent; DGC's momentum correction accumulates velocity on the worker instead.
+    """
+    return (isinstance(settings, AsyncSettings) and settings.compression in SPARSE_COMPRESSIONS
+            and job.optimizer == "sgd" and job.momentum > 0)
+
+
+def _views(flat: torch.Tensor, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-parameter views into one flat vector."""
+    views, offset = [], 0
+    for parameter in parameters:
+        views.append(flat[offset:offset + parameter.numel()].view_as(parameter))
+        offset += parameter.numel()
+    return views
+
+
+def _merge(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    merged = {**first, **second}
+    for key in ("comm_s", "comm_total_s", "bytes_received"):
+        if key in first and key in second:
+            merged[key] = first[key] + second[key]
+    return merged
+
+
+class AsyncSGD(_ServerStrategy):
+    name = "async"
+    settings_class = AsyncSettings
+    settings: AsyncSettings
+    summary = ("Asynchronous parameter server (Downpour SGD): push gradients every `push_every` steps, never "
+               "wait for other workers. Fastest; updates are stale.")
+
+    def setup(self, context: TrainingContext) -> None:
+        super().setup(context)
+        self.accumulated = torch.zeros(self.numel)
+        self.views = _views(self.accumulated, self.parameters)
+        self.velocity = torch.zeros(self.numel) if self.worker_momentum else None
+        self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
+        self.window_steps = 0
+        self.steps_since_fetch = 0
+
+    def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
+        # As in Downpour SGD, steps between fetches are plain SGD on the local copy; the job's optimizer
+        # (momentum, Adam) runs once, on the server, so momentum is not applied twice.
+        self.worker_momentum = job.momentum if _momentum_on_workers(job, self.settings) else 0.0
+        return torch.optim.SGD(parameters, lr=job.lr)
+
+    def after_backward(self, context: TrainingContext) -> dict[str, Any]:
+        if self.worker_momentum:
+            # Momentum correction (Lin et al. 2018, DGC): accumulate the velocity, not the gradient.
+            for view, parameter in zip(self.velocity_views, self.parameters):
+                if parameter.grad is not None:
+                    view.mul_(self.worker_momentum).add_(parameter.grad)
+            self.accumulated += self.velocity
+            return {}
+        for view, parameter in zip(self.views, self.parameters):
+            if parameter.grad is not None:
+                view.add_(parameter.grad)
+        return {}
+
+    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+        self.window_steps += 1
+        self.steps_since_fetch += 1
+        report = self._collect(block=False)
+        if self.window_steps >= self.settings.push_every:
+            report = _merge(report, self._collect(block=True))
+            report.update(self._send(context))
+            report.update(self._after_send())
+            if not self.settings.overlap:
+                report = _merge(report, self._collect(block=True))
+        return report
+
+    def _send(self, context: TrainingContext) -> dict[str, Any]:
+        fetch_every = self.settings.fetch_every or self.settings.push_every
+        fetch = self.steps_since_fetch >= fetch_every
+        packets, sent = self._encode(self.accumulated)
+        self.accumulated.zero_()
+        if self.worker_momentum:
+            # Momentum factor masking (DGC): coordinates just sent restart their velocity, so a delayed
+            # coordinate's stale momentum is not sent again.
+            for part, packet in zip(self.server.split(self.velocity), packets):
+                part[packet.indices.long()] = 0
+        self.window_steps = 0
+        self.clock += 1
+        if fetch:
+            self.steps_since_fetch = 0
+        lr = context.optimizer.param_groups[0]["lr"]
+        self.pending = self.server.push(self.rank, packets, lr, self.clock, fetch)
+        return {"bytes_sent": sent, "clock": self.clock}
+
+    def _after_send(self) -> dict[str, Any]:
+        return {}
+
+    def _apply(self, reply: dict[str, Any]) -> int:
+        if "weights" not in reply:
+            return 0
+        self._load(reply["weights"])
+        return reply["weights"].numel() * 4
+
+    def _flush(self, context: TrainingContext) -> None:
+        if self.window_steps:  # the last, partial window
+            packets, _ = self._encode(self.accumulated)
+            self.accumulated.zero_()
+            self.window_steps = 0
+            self.pending = self.server.push(self.rank, packets, context.optimizer.param_groups[0]["lr"], None, False)
+
+
+class StaleSynchronous(AsyncSGD):
+    name = "ssp"
+    settings_class = SSPSettings
+    settings: SSPSettings
+    summary = ("Stale-synchronous parallel: as `async`, but a worker more than `max_staleness` clocks ahead of "
+               "the slowest waits (0 = bulk-synchronous). Bounded staleness at some waiting.")
+
+    def _collect(self, block: bool) -> dict[str, Any]:
+        # A push's receipt shows the gap before this worker's SSP check; the gap it trains at is the
+        # one `_after_send` reports.
+        report = super()._collect(block)
+        report.pop("clock_gap", None)
+        return report
+
+    def _after_send(self) -> dict[str, Any]:
+        bound = self.settings.max_staleness
+        if self.clock - self.known_slowest_clock <= bound:
+            # Within the bound by what we already know: no round trip (the gap recorded is an upper bound).
+            return {"wait_s": 0.0, "clock_gap": self.clock - self.known_slowest_clock}
+        reply = self.server.wait_for_clock(self.rank, self.clock, bound)
+        self.known_slowest_clock = max(self.known_slowest_clock, reply["slowest_clock"])
+        return {"wait_s": reply["waited_s"], "clock_gap": reply["clock_gap"]}
+
+
+class ElasticAveraging(_ServerStrategy):
+    name = "easgd"
+    settings_class = EASGDSettings
+    settings: EASGDSettings
+    summary = ("Elastic averaging SGD: workers keep their own weights and every `period` steps exchange an "
+               "elastic pull of strength `alpha` with a center variable on the server (the final model).")
+
+    def setup(self, context: TrainingContext) -> None:
+        super().setup(context)
+        # This worker's weights as the server knows them (see ParameterShard.elastic).
+        self.mirror = flatten(self.parameters)
+        self.steps_since_exchange = 0
+
+    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+        self.steps_since_exchange += 1
+        report = self._collect(block=False)
+        if self.steps_since_exchange >= self.settings.period:
+            report = _merge(report, self._collect(block=True))
+            report.update(self._exchange())
+            if not self.settings.overlap:
+                report = _merge(report, self._collect(block=True))
+        return report
+
+    def _exchange(self) -> dict[str, Any]:
+        packets, sent = self._encode(flatten(self.parameters) - self.mirror)
+        for part, packet in zip(self.server.split(self.mirror), packets):
+            part += decode(packet)  # the same decoded update the server adds to its mirror
+        self.steps_since_exchange = 0
+        self.clock += 1
+        self.pending = self.server.elastic(self.rank, packets, self.settings.alpha, self.clock)
+        return {"bytes_sent": sent, "clock": self.clock}
+
+    def _apply(self, reply: dict[str, Any]) -> int:
+        pull = reply["pull"]
+        self.mirror -= pull
+        offset = 0
+        with torch.no_grad():
+            for parameter in self.parameters:
+                count = parameter.numel()
+                parameter.sub_(pull[offset:offset + count].view_as(parameter))
+                offset += count
+        return pull.numel() * 4
