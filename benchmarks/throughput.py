@@ -6,7 +6,10 @@ DDP over gloo launched with torch.multiprocessing, then on one Dask cluster the 
 worker and with N workers under each strategy setting. Repetitions interleave; medians are reported.
 The last line printed is one JSON object with the ratios.
 
-    python benchmarks/throughput.py [--workers 2] [--repeats 3] [--steps 150]
+The parameter-server strategies (async with push_every 1 and 4, ssp with max_staleness 2, easgd, and
+async with top-k 1% compression) also report bytes sent per step and staleness.
+
+    python benchmarks/throughput.py [--workers 2] [--repeats 3] [--steps 150] [--only async]
 """
 from __future__ import annotations
 
@@ -121,7 +124,11 @@ def measure_workbench(client, steps, workers, strategy, **settings):
     for _, rows in steady.groupby("worker"):
         span = rows["time"].max() - rows["time"].min()
         total += rows["samples"].iloc[1:].sum() / span
-    return total
+    summary = run.summary()
+    extras = {"bytes_per_step": summary.get("bytes_sent_per_step"),
+              "staleness_mean": summary.get("staleness", {}).get("mean"),
+              "comm_hidden": summary.get("comm_hidden_fraction")}
+    return total, extras
 
 
 def main() -> None:
@@ -129,11 +136,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150, help="timed steps per measurement (after warm-up)")
+    parser.add_argument("--only", default=None, help="run only the workbench configurations whose name has this")
     arguments = parser.parse_args()
     n = arguments.workers
     configs = [("workbench 1 worker", 1, "allreduce", {}), (f"allreduce x{n}", n, "allreduce", {})]
     configs += [(f"average p{p} x{n}", n, "average", {"period": p}) for p in (1, 4, 16)]
+    configs += [(f"async p{p} x{n}", n, "async", {"push_every": p}) for p in (1, 4)]
+    configs += [(f"ssp s2 p4 x{n}", n, "ssp", {"max_staleness": 2, "push_every": 4}),
+                (f"easgd p4 x{n}", n, "easgd", {"period": 4}),
+                (f"async topk1% p1 x{n}", n, "async", {"compression": "topk", "topk_ratio": 0.01})]
+    if arguments.only:
+        configs = [c for c in configs if arguments.only in c[0]]
     samples: dict[str, list[float]] = {"plain": [], f"ddp x{n}": []}
+    extras: dict[str, dict] = {}
     for name, *_ in configs:
         samples[name] = []
     for repeat in range(arguments.repeats):
@@ -141,7 +156,8 @@ def main() -> None:
         samples[f"ddp x{n}"].append(measure_ddp(arguments.steps, n))
         with workbench.client_session(workers=n, dashboard_address=":0") as client:
             for name, workers, strategy, settings in configs:
-                samples[name].append(measure_workbench(client, arguments.steps, workers, strategy, **settings))
+                rate, extras[name] = measure_workbench(client, arguments.steps, workers, strategy, **settings)
+                samples[name].append(rate)
         print(f"repeat {repeat + 1}/{arguments.repeats}: " +
               ", ".join(f"{k} {v[-1]:,.0f}" for k, v in samples.items()), flush=True)
 
@@ -149,22 +165,44 @@ def main() -> None:
     plain = medians["plain"]
     print(f"\nMLP 784-1024-1024-10, batch {BATCH}/worker, {n} workers, {arguments.repeats} repeats "
           f"(medians), {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'configuration':<22}{'samples/s':>12}{'vs plain':>10}")
+    print(f"{'configuration':<24}{'samples/s':>12}{'vs plain':>10}{'KiB/step':>10}{'staleness':>10}{'hidden':>8}")
     for name, value in medians.items():
-        print(f"{name:<22}{value:>12,.0f}{value / plain:>10.2f}")
-    average_best = max(medians[f"average p{p} x{n}"] for p in (1, 4, 16))
+        extra = extras.get(name, {})
+        kib = f"{extra['bytes_per_step'] / 1024:,.1f}" if extra.get("bytes_per_step") else ""
+        stale = f"{extra['staleness_mean']:.2f}" if extra.get("staleness_mean") is not None else ""
+        hidden = f"{extra['comm_hidden']:.0%}" if extra.get("comm_hidden") is not None else ""
+        print(f"{name:<24}{value:>12,.0f}{value / plain:>10.2f}{kib:>10}{stale:>10}{hidden:>8}")
     result = {
         "machine": f"{os.cpu_count()} cores, {platform.machine()}",
         "date": datetime.date.today().isoformat(),
         "workers": n,
-        "one_worker_vs_plain": medians["workbench 1 worker"] / plain,
-        "allreduce_vs_ddp": medians[f"allreduce x{n}"] / medians[f"ddp x{n}"],
-        "average_vs_plain": average_best / plain,
         "ddp_vs_plain": medians[f"ddp x{n}"] / plain,
-        "allreduce_vs_plain": medians[f"allreduce x{n}"] / plain,
-        **{f"average_p{p}_vs_plain": medians[f"average p{p} x{n}"] / plain for p in (1, 4, 16)},
+        **{_key(name): value / plain for name, value in medians.items() if name not in ("plain", f"ddp x{n}")},
     }
+    ratio = lambda a, b: medians[a] / medians[b] if a in medians and b in medians else None  # noqa: E731
+    result["one_worker_vs_plain"] = ratio("workbench 1 worker", "plain")
+    result["allreduce_vs_ddp"] = ratio(f"allreduce x{n}", f"ddp x{n}")
+    best = lambda prefix: max((v for k, v in medians.items() if k.startswith(prefix)), default=None)  # noqa: E731
+    if best("average"):
+        result["average_vs_plain"] = best("average") / plain
+    asyncs = {k: v for k, v in medians.items() if k.startswith("async p")}
+    if asyncs:
+        best_async = max(asyncs, key=asyncs.get)
+        result["async_vs_plain"] = asyncs[best_async] / plain
+        result["async_staleness_mean"] = extras[best_async]["staleness_mean"]
+    if f"ssp s2 p4 x{n}" in medians:
+        result["ssp_vs_plain"] = medians[f"ssp s2 p4 x{n}"] / plain
+    dense, sparse = extras.get(f"async p1 x{n}"), extras.get(f"async topk1% p1 x{n}")
+    if dense and sparse:
+        result["compression_bytes_ratio"] = dense["bytes_per_step"] / sparse["bytes_per_step"]
+    result = {k: v for k, v in result.items() if v is not None}
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+def _key(name: str) -> str:
+    """'async topk1% p1 x2' -> 'async_topk1pct_p1_vs_plain' (a JSON-friendly key per configuration)."""
+    words = [w for w in name.replace("%", "pct").split() if not w.startswith("x")]
+    return "_".join(words).replace("workbench_1_worker", "one_worker") + "_vs_plain"
 
 
 if __name__ == "__main__":

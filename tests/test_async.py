@@ -38,7 +38,7 @@ def scripted_schedule(client, shards, job, weights):
             gradient = torch.randn(weights.numel(), generator=generator)
             packets = [encode(part, "none") for part in server.split(gradient)]
             replies, _ = server.push(worker, packets, 0.1, None, fetch).result(30)
-            staleness.append(merge_replies(replies)["staleness"])
+            staleness.append(merge_replies(replies).staleness)
         return server.weights(), staleness, server.stats()
     finally:
         handle.release()

@@ -55,12 +55,16 @@ def decode(packet: Packet) -> torch.Tensor:
     return dense
 
 
-def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_tau: float = 1e-3) -> Packet:
-    """Compress a flat float32 vector (no error feedback: see `ErrorFeedback`)."""
+def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_tau: float = 1e-3,
+           copy: bool = True) -> Packet:
+    """Compress a flat float32 vector (no error feedback: see `ErrorFeedback`).
+
+    copy=False lets an uncompressed packet share `vector`'s memory (the caller keeps it unchanged until sent).
+    """
     vector = vector.detach().reshape(-1).float()
     numel = vector.numel()
     if kind == "none":
-        return Packet("none", numel, vector.clone())
+        return Packet("none", numel, vector.clone() if copy else vector)
     if kind == "fp16":
         limit = torch.finfo(torch.float16).max  # clamp instead of overflowing to inf
         return Packet("fp16", numel, vector.clamp(-limit, limit).half())
@@ -97,9 +101,9 @@ class ErrorFeedback:
         self.keeps_residual = kind in SPARSE_COMPRESSIONS
         self.residual = torch.zeros(numel, dtype=torch.float32) if self.keeps_residual else None
 
-    def encode(self, update: torch.Tensor) -> Packet:
+    def encode(self, update: torch.Tensor, copy: bool = True) -> Packet:
         if not self.keeps_residual:
-            return encode(update, self.kind)
+            return encode(update, self.kind, copy=copy)
         accumulated = self.residual + update.reshape(-1)
         packet = encode(accumulated, self.kind, self.topk_ratio, self.threshold_tau)
         self.residual = accumulated - decode(packet)

@@ -18,7 +18,7 @@ from distributed import get_worker
 from ..averaging import flatten
 from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
 from ..errors import ConfigError
-from ..server import Call, ServerClient, merge_replies, start_parameter_server
+from ..server import Call, Reply, ServerClient, merge_replies, start_parameter_server
 from .base import Strategy, StrategySettings, TrainingContext, check_positive_int, check_positive_number
 
 
@@ -124,16 +124,15 @@ class _ServerStrategy(Strategy):
         self.numel = sum(p.numel() for p in self.parameters)
         self.compressors = [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
                                           self.settings.threshold_tau) for start, stop in self.server.ranges]
-        _, weights = self.server.fetch(self.rank)
-        self._load(weights)
+        self._load(self.server.fetch(self.rank).weights)
         self.pending: Call | None = None
         self.clock = 0
         # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
         # lower bound between replies.
         self.known_slowest_clock = 0
 
-    def _encode(self, vector: torch.Tensor) -> tuple[list[Any], int]:
-        packets = [compressor.encode(part) for compressor, part in zip(self.compressors, self.server.split(vector))]
+    def _encode(self, vector: torch.Tensor, copy: bool = True) -> tuple[list[Any], int]:
+        packets = [compressor.encode(part, copy) for compressor, part in zip(self.compressors, self.server.split(vector))]
         return packets, sum(packet.nbytes for packet in packets)
 
     def _load(self, vector: torch.Tensor) -> None:
@@ -153,12 +152,12 @@ class _ServerStrategy(Strategy):
         exposed = time.perf_counter() - started
         self.pending = None
         reply = merge_replies(replies)
-        self.known_slowest_clock = max(self.known_slowest_clock, reply["slowest_clock"])
+        self.known_slowest_clock = max(self.known_slowest_clock, reply.slowest_clock)
         received = self._apply(reply)
-        return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply["staleness"],
-                "server_version": reply["version"], "clock_gap": reply["clock_gap"], "bytes_received": received}
+        return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply.staleness,
+                "server_version": reply.version, "clock_gap": reply.clock_gap, "bytes_received": received}
 
-    def _apply(self, reply: dict[str, Any]) -> int:
+    def _apply(self, reply: Reply) -> int:
         """Use a reply on the local weights; returns the bytes it brought."""
         return 0
 
@@ -209,8 +208,11 @@ class AsyncSGD(_ServerStrategy):
 
     def setup(self, context: TrainingContext) -> None:
         super().setup(context)
-        self.accumulated = torch.zeros(self.numel)
-        self.views = _views(self.accumulated, self.parameters)
+        # Two accumulators used in turn: uncompressed pushes send one as it is (no copy) while the next
+        # window accumulates into the other; it is free again once that push's reply is back.
+        self.buffers = [torch.zeros(self.numel), torch.zeros(self.numel)]
+        self.buffer_views = [_views(buffer, self.parameters) for buffer in self.buffers]
+        self.accumulated, self.views = self.buffers[0], self.buffer_views[0]
         self.velocity = torch.zeros(self.numel) if self.worker_momentum else None
         self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
         self.window_steps = 0
@@ -250,8 +252,8 @@ class AsyncSGD(_ServerStrategy):
     def _send(self, context: TrainingContext) -> dict[str, Any]:
         fetch_every = self.settings.fetch_every or self.settings.push_every
         fetch = self.steps_since_fetch >= fetch_every
-        packets, sent = self._encode(self.accumulated)
-        self.accumulated.zero_()
+        packets, sent = self._encode(self.accumulated, copy=False)
+        self._swap_buffers()
         if self.worker_momentum:
             # Momentum factor masking (DGC): coordinates just sent restart their velocity, so a delayed
             # coordinate's stale momentum is not sent again.
@@ -268,16 +270,22 @@ class AsyncSGD(_ServerStrategy):
     def _after_send(self) -> dict[str, Any]:
         return {}
 
-    def _apply(self, reply: dict[str, Any]) -> int:
-        if "weights" not in reply:
+    def _swap_buffers(self) -> None:
+        # Called right after the previous call was collected, so the other buffer is no longer in flight.
+        index = 1 if self.accumulated is self.buffers[0] else 0
+        self.accumulated, self.views = self.buffers[index], self.buffer_views[index]
+        self.accumulated.zero_()
+
+    def _apply(self, reply: Reply) -> int:
+        if reply.weights is None:
             return 0
-        self._load(reply["weights"])
-        return reply["weights"].numel() * 4
+        self._load(reply.weights)
+        return reply.weights.numel() * 4
 
     def _flush(self, context: TrainingContext) -> None:
         if self.window_steps:  # the last, partial window
-            packets, _ = self._encode(self.accumulated)
-            self.accumulated.zero_()
+            packets, _ = self._encode(self.accumulated, copy=False)
+            self._swap_buffers()
             self.window_steps = 0
             self.pending = self.server.push(self.rank, packets, context.optimizer.param_groups[0]["lr"], None, False)
 
@@ -338,8 +346,8 @@ class ElasticAveraging(_ServerStrategy):
         self.pending = self.server.elastic(self.rank, packets, self.settings.alpha, self.clock)
         return {"bytes_sent": sent, "clock": self.clock}
 
-    def _apply(self, reply: dict[str, Any]) -> int:
-        pull = reply["pull"]
+    def _apply(self, reply: Reply) -> int:
+        pull = reply.pull
         self.mirror -= pull
         offset = 0
         with torch.no_grad():
