@@ -255,8 +255,12 @@ class ServerClient:
         return self.actors[0].wait_for_clock(worker, clock, max_staleness, self.timeout_s).result(self.timeout_s + 5)
 
     def finish(self, worker: int, world_size: int) -> int:
-        self._call(lambda actor, _: actor.finish(worker)).result(self.timeout_s)
+        """Say this worker is done, then wait until all are (the final weights are complete then)."""
+        self.announce_finished(worker)
         return self.actors[0].wait_finished(list(range(world_size)), self.timeout_s).result(self.timeout_s + 5)
+
+    def announce_finished(self, worker: int) -> None:
+        self._call(lambda actor, _: actor.finish(worker)).result(self.timeout_s)
 
     def weights(self) -> torch.Tensor:
         replies, _ = self._call(lambda actor, _: actor.weights()).result(self.timeout_s)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from distributed import get_worker
 
-from ..averaging import flatten
+from ..averaging import flatten, unflatten_into
 from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
 from ..errors import ConfigError
 from ..server import Call, Reply, ServerClient, merge_replies, start_parameter_server
@@ -107,8 +107,9 @@ class _ServerStrategy(Strategy):
         if settings.shards > len(addresses):
             raise ConfigError("shards", settings.shards, f"at most {len(addresses)}, the run's workers",
                               "Use fewer shards or more workers")
-        torch.manual_seed(job.seed)  # the same initial weights the workers build
-        weights = flatten(list(job.model().parameters()))
+        with torch.random.fork_rng():  # leave the caller's random state alone
+            torch.manual_seed(job.seed)  # the same initial weights the workers build
+            weights = flatten(list(job.model().parameters()))
         server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, settings) else job
         return start_parameter_server(client, run_id, addresses, weights, server_job, settings.shards,
                                       len(addresses), getattr(settings, "staleness_aware_lr", False))
@@ -136,12 +137,7 @@ class _ServerStrategy(Strategy):
         return packets, sum(packet.nbytes for packet in packets)
 
     def _load(self, vector: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for parameter in self.parameters:
-                count = parameter.numel()
-                parameter.copy_(vector[offset:offset + count].view_as(parameter))
-                offset += count
+        unflatten_into(vector, [p.data for p in self.parameters])
 
     def _collect(self, block: bool) -> dict[str, Any]:
         """Take the in-flight call's replies if they are back (waiting for them when `block`)."""
@@ -165,8 +161,19 @@ class _ServerStrategy(Strategy):
         self._collect(block=True)
         self._flush(context)
         self._collect(block=True)
+        self.finished = True
         self.server.finish(self.rank, self.world_size)
         self._load(self.server.weights())  # every worker ends with the server's (center's) weights
+
+    def close(self) -> None:
+        # A worker that failed still tells the server it is done, so the others are not held back by
+        # the SSP bound or the end-of-run barrier until their timeout.
+        if hasattr(self, "server") and not getattr(self, "finished", False):
+            self.finished = True
+            try:
+                self.server.announce_finished(self.rank)
+            except Exception:
+                pass  # the server may be gone too; the run is failing already
 
     def _flush(self, context: TrainingContext) -> None:
         """Send what is still unsent at the end of the run."""
@@ -349,10 +356,6 @@ class ElasticAveraging(_ServerStrategy):
     def _apply(self, reply: Reply) -> int:
         pull = reply.pull
         self.mirror -= pull
-        offset = 0
-        with torch.no_grad():
-            for parameter in self.parameters:
-                count = parameter.numel()
-                parameter.sub_(pull[offset:offset + count].view_as(parameter))
-                offset += count
+        for parameter, part in zip(self.parameters, _views(pull, self.parameters)):
+            parameter.data.sub_(part)
         return pull.numel() * 4
