@@ -127,7 +127,8 @@ class _ServerStrategy(Strategy):
                                           self.settings.threshold_tau) for start, stop in self.server.ranges]
         self._load(self.server.fetch(self.rank).weights)
         self.pending: Call | None = None
-        self.clock = 0
+        self.clock = 0  # windows sent
+        self.steps_since_send = 0
         # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
         # lower bound between replies.
         self.known_slowest_clock = 0
@@ -152,6 +153,25 @@ class _ServerStrategy(Strategy):
         received = self._apply(reply)
         return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply.staleness,
                 "server_version": reply.version, "clock_gap": reply.clock_gap, "bytes_received": received}
+
+    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+        self.steps_since_send += 1
+        report = self._collect(block=False)
+        if self.steps_since_send >= self._send_every():
+            report = _merge(report, self._collect(block=True))  # at most one call in flight
+            report.update(self._send(context))
+            self.steps_since_send = 0
+            if not self.settings.overlap:
+                report = _merge(report, self._collect(block=True))
+        return report
+
+    def _send_every(self) -> int:
+        """Steps between exchanges with the server."""
+        raise NotImplementedError
+
+    def _send(self, context: TrainingContext) -> dict[str, Any]:
+        """Start this window's exchange (`self.pending`); returns the metrics of what was sent."""
+        raise NotImplementedError
 
     def _apply(self, reply: Reply) -> int:
         """Use a reply on the local weights; returns the bytes it brought."""
@@ -222,7 +242,6 @@ class AsyncSGD(_ServerStrategy):
         self.accumulated, self.views = self.buffers[0], self.buffer_views[0]
         self.velocity = torch.zeros(self.numel) if self.worker_momentum else None
         self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
-        self.window_steps = 0
         self.steps_since_fetch = 0
 
     def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
@@ -245,20 +264,14 @@ class AsyncSGD(_ServerStrategy):
         return {}
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
-        self.window_steps += 1
         self.steps_since_fetch += 1
-        report = self._collect(block=False)
-        if self.window_steps >= self.settings.push_every:
-            report = _merge(report, self._collect(block=True))
-            report.update(self._send(context))
-            report.update(self._after_send())
-            if not self.settings.overlap:
-                report = _merge(report, self._collect(block=True))
-        return report
+        return super().after_step(context, step)
+
+    def _send_every(self) -> int:
+        return self.settings.push_every
 
     def _send(self, context: TrainingContext) -> dict[str, Any]:
-        fetch_every = self.settings.fetch_every or self.settings.push_every
-        fetch = self.steps_since_fetch >= fetch_every
+        fetch = self.steps_since_fetch >= (self.settings.fetch_every or self.settings.push_every)
         packets, sent = self._encode(self.accumulated, copy=False)
         self._swap_buffers()
         if self.worker_momentum:
@@ -266,16 +279,12 @@ class AsyncSGD(_ServerStrategy):
             # coordinate's stale momentum is not sent again.
             for part, packet in zip(self.server.split(self.velocity), packets):
                 part[packet.indices.long()] = 0
-        self.window_steps = 0
         self.clock += 1
         if fetch:
             self.steps_since_fetch = 0
         lr = context.optimizer.param_groups[0]["lr"]
         self.pending = self.server.push(self.rank, packets, lr, self.clock, fetch)
         return {"bytes_sent": sent, "clock": self.clock}
-
-    def _after_send(self) -> dict[str, Any]:
-        return {}
 
     def _swap_buffers(self) -> None:
         # Called right after the previous call was collected, so the other buffer is no longer in flight.
@@ -290,10 +299,10 @@ class AsyncSGD(_ServerStrategy):
         return reply.weights.numel() * 4
 
     def _flush(self, context: TrainingContext) -> None:
-        if self.window_steps:  # the last, partial window
+        if self.steps_since_send:  # the last, partial window
             packets, _ = self._encode(self.accumulated, copy=False)
             self._swap_buffers()
-            self.window_steps = 0
+            self.steps_since_send = 0
             self.pending = self.server.push(self.rank, packets, context.optimizer.param_groups[0]["lr"], None, False)
 
 
@@ -306,19 +315,20 @@ class StaleSynchronous(AsyncSGD):
 
     def _collect(self, block: bool) -> dict[str, Any]:
         # A push's receipt shows the gap before this worker's SSP check; the gap it trains at is the
-        # one `_after_send` reports.
+        # one `_send` reports after the check.
         report = super()._collect(block)
         report.pop("clock_gap", None)
         return report
 
-    def _after_send(self) -> dict[str, Any]:
+    def _send(self, context: TrainingContext) -> dict[str, Any]:
+        report = super()._send(context)
         bound = self.settings.max_staleness
         if self.clock - self.known_slowest_clock <= bound:
             # Within the bound by what we already know: no round trip (the gap recorded is an upper bound).
-            return {"wait_s": 0.0, "clock_gap": self.clock - self.known_slowest_clock}
+            return {**report, "wait_s": 0.0, "clock_gap": self.clock - self.known_slowest_clock}
         reply = self.server.wait_for_clock(self.rank, self.clock, bound)
         self.known_slowest_clock = max(self.known_slowest_clock, reply["slowest_clock"])
-        return {"wait_s": reply["waited_s"], "clock_gap": reply["clock_gap"]}
+        return {**report, "wait_s": reply["waited_s"], "clock_gap": reply["clock_gap"]}
 
 
 class ElasticAveraging(_ServerStrategy):
@@ -332,23 +342,14 @@ class ElasticAveraging(_ServerStrategy):
         super().setup(context)
         # This worker's weights as the server knows them (see ParameterShard.elastic).
         self.mirror = flatten(self.parameters)
-        self.steps_since_exchange = 0
 
-    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
-        self.steps_since_exchange += 1
-        report = self._collect(block=False)
-        if self.steps_since_exchange >= self.settings.period:
-            report = _merge(report, self._collect(block=True))
-            report.update(self._exchange())
-            if not self.settings.overlap:
-                report = _merge(report, self._collect(block=True))
-        return report
+    def _send_every(self) -> int:
+        return self.settings.period
 
-    def _exchange(self) -> dict[str, Any]:
+    def _send(self, context: TrainingContext) -> dict[str, Any]:
         packets, sent = self._encode(flatten(self.parameters) - self.mirror)
         for part, packet in zip(self.server.split(self.mirror), packets):
             part += decode(packet)  # the same decoded update the server adds to its mirror
-        self.steps_since_exchange = 0
         self.clock += 1
         self.pending = self.server.elastic(self.rank, packets, self.settings.alpha, self.clock)
         return {"bytes_sent": sent, "clock": self.clock}
