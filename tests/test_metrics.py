@@ -1,5 +1,9 @@
 """Unit tests of the metrics plane's pure parts: batching on workers, expansion, throughput, the table."""
-from workbench.metrics import MetricsSender, MetricsTable, expand, throughput, time_split
+import pandas as pd
+import pytest
+
+from workbench.metrics import (MetricsSender, MetricsTable, communication_summary, expand, staleness_summary,
+                               throughput, time_split)
 
 
 class FakeClock:
@@ -63,3 +67,29 @@ def test_table_keeps_steps_and_events_apart_and_is_bounded():
     assert table.last_steps()[0]["step"] == 3
     split = time_split(frame)
     assert abs(split["compute"] - 2 / 3) < 1e-9 and abs(split["comm"] - 1 / 3) < 1e-9
+
+
+def test_staleness_summary_per_worker_with_histogram():
+    frame = pd.DataFrame([
+        {"worker": 0, "step": 0, "staleness": 0}, {"worker": 0, "step": 1, "staleness": None},
+        {"worker": 0, "step": 2, "staleness": 2}, {"worker": 1, "step": 0, "staleness": 1},
+        {"worker": 1, "step": 1, "staleness": 1}, {"worker": 1, "step": 2, "staleness": 4},
+    ])
+    summary = staleness_summary(frame)
+    assert summary[0] == {"pushes": 2, "mean": 1.0, "max": 2, "histogram": {0: 1, 2: 1}}
+    assert summary[1] == {"pushes": 3, "mean": 2.0, "max": 4, "histogram": {1: 2, 4: 1}}
+    assert staleness_summary(pd.DataFrame([{"worker": 0, "step": 0}])) == {}
+
+
+def test_communication_summary_bytes_hidden_share_and_version_rate():
+    frame = pd.DataFrame([
+        {"worker": 0, "time": 10.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": None, "server_version": None},
+        {"worker": 0, "time": 11.0, "bytes_sent": None, "comm_s": 0.1, "comm_total_s": 0.4, "server_version": 4},
+        {"worker": 1, "time": 12.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": 0.6, "server_version": 10},
+        {"worker": 1, "time": 13.0, "bytes_sent": None, "comm_s": 0.0, "comm_total_s": None, "server_version": None},
+    ])
+    summary = communication_summary(frame)
+    assert summary["bytes_sent_per_step"] == 200.0
+    assert summary["comm_hidden_fraction"] == pytest.approx(0.9)  # 0.1 s of 1.0 s exposed
+    assert summary["server_versions_per_s"] == pytest.approx(6.0)  # 6 versions in 1 s
+    assert communication_summary(pd.DataFrame([{"worker": 0, "time": 1.0, "comm_s": 0.0}])) == {}

@@ -109,9 +109,6 @@ class ErrorFeedback:
         self.residual = accumulated - decode(packet)
         return packet
 
-    def state(self) -> dict[str, Any]:
-        return {"residual": None if self.residual is None else self.residual.clone()}
-
 
 def validate_compression(compression: Any, topk_ratio: Any, threshold_tau: Any) -> None:
     """Raise `ConfigError` naming the setting when a compression option is not allowed."""

@@ -115,9 +115,6 @@ class ParameterShard:
                 "staleness_counts": {w: dict(c) for w, c in self.book.staleness_counts.items()},
                 "versions_per_s": self.book.version / max(1e-9, time.time() - self.created)}
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
     # --- waiting: async methods on the worker's event loop ------------------------------------------------
 
     async def wait_for_clock(self, worker: int, clock: int, max_staleness: int, timeout_s: float) -> dict[str, Any]:
