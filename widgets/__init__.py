@@ -1,5 +1,10 @@
-"""User interfaces of the workbench: the notebook control panel (ipywidgets) and the team dashboard (Panel).
+"""User interfaces of the workbench: the notebook control panel (ipywidgets) and, later, the team
+dashboard (Panel).
 
-This layer imports `workbench`, never the reverse. The control panel and dashboard arrive with their
-own issues; until then the engine is driven through `workbench.Run` and the `workbench` CLI.
+This layer imports `workbench`, never the reverse: a `workbench.Run` shown in a notebook looks up
+`widgets.ControlPanel` by name at display time.
 """
+from .compare import compare_runs
+from .control_panel import ControlPanel
+
+__all__ = ["ControlPanel", "compare_runs"]

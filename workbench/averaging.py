@@ -72,3 +72,72 @@ def elastic_pull(local: torch.Tensor, center: torch.Tensor, alpha: float) -> tor
     The worker subtracts it from its weights and the center adds it: both move towards each other.
     """
     return alpha * (local - center)
+
+
+def flat_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor | float]:
+    """The optimizer's state in a form independent of how the parameters are split: one flat vector per
+    per-parameter key (momentum, Adam's moments), in parameter order, and one number per scalar key
+    (Adam's step). Empty while any parameter has no state yet (before the first step, or plain SGD).
+
+    This is what carries over a strategy switch: the workers' optimizer has one tensor per layer, the
+    parameter server's has one per shard.
+    """
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    states = [optimizer.state.get(p, {}) for p in parameters]
+    if not parameters or any(not state for state in states):
+        return {}
+    flat: dict[str, torch.Tensor | float] = {}
+    for key, value in states[0].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if all(isinstance(s.get(key), torch.Tensor) and s[key].shape == p.shape for s, p in zip(states, parameters)):
+                flat[key] = torch.cat([s[key].detach().reshape(-1).float().cpu() for s in states])
+        elif isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
+            flat[key] = float(value)
+    return flat
+
+
+def load_flat_optimizer_state(optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor | float]) -> None:
+    """Give `optimizer` the state `flat_optimizer_state` described (its parameters in the same order)."""
+    if not flat:
+        return
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    expected = sum(p.numel() for p in parameters)
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and value.numel() != expected:
+            raise ValueError(f"optimizer state '{key}' has {value.numel()} values for {expected} parameters")
+    offset = 0
+    for parameter in parameters:
+        count = parameter.numel()
+        state = {}
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value[offset:offset + count].view_as(parameter).to(parameter.device, parameter.dtype).clone()
+            else:
+                state[key] = torch.tensor(value, dtype=torch.float32)  # Adam keeps `step` as a float tensor
+        optimizer.state[parameter] = state
+        offset += count
+
+
+def slice_optimizer_state(flat: dict[str, torch.Tensor | float], start: int, stop: int) -> dict[str, torch.Tensor | float]:
+    """The part of a flat optimizer state that belongs to parameters [start, stop) (one server shard)."""
+    return {key: value[start:stop].clone() if isinstance(value, torch.Tensor) else value for key, value in flat.items()}
+
+
+def join_optimizer_states(parts: Sequence[dict[str, torch.Tensor | float]]) -> dict[str, torch.Tensor | float]:
+    """The flat optimizer state of consecutive shards, joined back in order."""
+    if not parts or any(not part for part in parts):
+        return {}
+    return {key: torch.cat([part[key] for part in parts]) if isinstance(value, torch.Tensor) else value
+            for key, value in parts[0].items()}
+
+
+def fingerprint(vector: torch.Tensor, probes: int = 3, seed: int = 0) -> list[float]:
+    """A few numbers identifying a weight vector: its sum and its projections on fixed random directions.
+
+    Linear in the vector, so the fingerprint of an average is the average of the fingerprints: enough to
+    check from metrics alone that workers hold the same (or the averaged) weights.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    values = vector.detach().reshape(-1).cpu().double()
+    directions = torch.randn(probes, values.numel(), generator=generator, dtype=torch.float64)
+    return [float(values.sum())] + (directions @ values).tolist()

@@ -24,7 +24,8 @@ def find_free_port(host: str = "") -> int:
 
 
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    # On GPUs, NCCL carries CUDA tensors; the small control messages stay on the CPU and go through gloo.
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def init_process_group(host: str, port: int, rank: int, world_size: int, device: torch.device,
@@ -49,7 +50,20 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-CONTROL_MESSAGE_BYTES = 1024
+CONTROL_MESSAGE_BYTES = 2048
+
+
+def _encode_json(value: Any) -> torch.Tensor:
+    buffer = torch.zeros(CONTROL_MESSAGE_BYTES, dtype=torch.uint8)
+    encoded = json.dumps(value).encode()
+    if len(encoded) > CONTROL_MESSAGE_BYTES:
+        raise TrainingError(f"control message of {len(encoded)} bytes exceeds {CONTROL_MESSAGE_BYTES}")
+    buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    return buffer
+
+
+def _decode_json(buffer: torch.Tensor) -> Any:
+    return json.loads(bytes(buffer[buffer != 0].tolist()).decode())
 
 
 def broadcast_json(value: Any, source_rank: int = 0) -> Any:
@@ -58,14 +72,31 @@ def broadcast_json(value: Any, source_rank: int = 0) -> Any:
     One collective instead of `broadcast_object_list`'s two (size, then payload) plus pickling: this
     runs every few hundred milliseconds in the training loop.
     """
-    buffer = torch.zeros(CONTROL_MESSAGE_BYTES, dtype=torch.uint8)
     if dist.get_rank() == source_rank:
-        encoded = json.dumps(value).encode()
-        if len(encoded) > CONTROL_MESSAGE_BYTES:
-            raise TrainingError(f"control message of {len(encoded)} bytes exceeds {CONTROL_MESSAGE_BYTES}")
-        buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        buffer = _encode_json(value)
+    else:
+        buffer = torch.zeros(CONTROL_MESSAGE_BYTES, dtype=torch.uint8)
     dist.broadcast(buffer, src=source_rank)
-    return json.loads(bytes(buffer[buffer != 0].tolist()).decode())
+    return _decode_json(buffer)
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON-able `value`, in rank order, on every rank (one fixed-size all-gather)."""
+    gathered = [torch.zeros(CONTROL_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, _encode_json(value))
+    return [_decode_json(part) for part in gathered]
+
+
+def broadcast_object(value: Any, source_rank: int = 0) -> Any:
+    """Rank `source_rank`'s picklable `value` on every rank (rare, larger messages such as actor handles)."""
+    holder = [value if dist.get_rank() == source_rank else None]
+    dist.broadcast_object_list(holder, src=source_rank)
+    return holder[0]
+
+
+def barrier() -> None:
+    """Return once every rank has called it."""
+    dist.barrier()
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], source_rank: int = 0) -> None:

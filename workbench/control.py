@@ -1,4 +1,5 @@
-"""The control plane: pause, stop, learning rate and live strategy settings, from client to workers.
+"""The control plane: pause, stop, learning rate, live strategy settings and strategy switches, from
+client to workers.
 
 The client writes a `ControlState` (a small dict) into a named Dask `Variable` per run; each worker
 polls it in a background thread so the training step never waits on the scheduler. Workers of a
@@ -21,7 +22,9 @@ class ControlState:
     paused: bool = False
     stop: bool = False
     lr: float | None = None
-    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    strategy: str = ""  # the strategy the run should be using
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # that strategy's settings
+    switch_id: int = 0  # switches asked for so far; a worker that has made fewer has one to make
 
     def to_message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,6 +51,14 @@ class ControlWriter:
         with self._lock:
             settings = {**self.state.settings, **changes.pop("settings", {})}
             self.state = dataclasses.replace(self.state, version=self.state.version + 1, settings=settings, **changes)
+            self._variable.set(self.state.to_message())
+            return self.state
+
+    def switch(self, strategy: str, settings: dict[str, Any]) -> ControlState:
+        """Ask for a live switch to `strategy` with (all of) its `settings`."""
+        with self._lock:
+            self.state = dataclasses.replace(self.state, version=self.state.version + 1, strategy=strategy,
+                                             settings=dict(settings), switch_id=self.state.switch_id + 1)
             self._variable.set(self.state.to_message())
             return self.state
 

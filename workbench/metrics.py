@@ -73,6 +73,12 @@ class MetricsTable:
         self._other: list[dict[str, Any]] = []
         self._latest: dict[int, dict[str, Any]] = {}
         self.steps_received = 0
+        # Running aggregates for live views, so a refresh costs nothing however long the run is.
+        self._loss_by_step: dict[int, list[float]] = {}  # step -> [loss sum, workers]
+        self._samples_by_second: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._staleness_counts: collections.Counter = collections.Counter()
+        self._recent_staleness: collections.deque[int] = collections.deque(maxlen=64)
+        self._worker_state: dict[int, dict[str, Any]] = {}
 
     def add(self, records: Iterable[dict[str, Any]]) -> None:
         with self._lock:
@@ -81,8 +87,62 @@ class MetricsTable:
                     self._steps.append(record)
                     self._latest[record["worker"]] = record
                     self.steps_received += 1
+                    self._aggregate(record)
                 else:
                     self._other.append(record)
+                    self._follow_worker(record)
+
+    def _aggregate(self, record: dict[str, Any]) -> None:
+        entry = self._loss_by_step.setdefault(record["step"], [0.0, 0])
+        entry[0] += record["loss"]
+        entry[1] += 1
+        self._samples_by_second[int(record["time"])][record["worker"]] += record["samples"]
+        staleness = record.get("staleness")
+        if staleness is not None:
+            self._staleness_counts[int(staleness)] += 1
+            self._recent_staleness.append(int(staleness))
+
+    def _follow_worker(self, record: dict[str, Any]) -> None:
+        state = WORKER_STATES.get(record.get("kind"))
+        worker = record.get("worker")
+        if state is not None and worker is not None:
+            entry = self._worker_state.setdefault(worker, {})
+            entry["state"] = state
+            if record.get("address"):
+                entry["address"] = record["address"]
+
+    def live_view(self, max_points: int = 400) -> dict[str, Any]:
+        """What a live view draws, from running aggregates: loss per step (mean over workers, at most
+        `max_points` points), samples/s per second of wall time in total and per worker, staleness
+        (recent mean, histogram), and each worker's state, step and last-seen time."""
+        with self._lock:
+            steps = sorted(self._loss_by_step)
+            losses = [self._loss_by_step[s][0] / self._loss_by_step[s][1] for s in steps]
+            seconds = sorted(self._samples_by_second)[:-1]  # the newest second is still filling up
+            workers = sorted({w for c in self._samples_by_second.values() for w in c} | set(self._worker_state))
+            per_worker = {w: [self._samples_by_second[t][w] for t in seconds] for w in workers}
+            histogram = dict(sorted(self._staleness_counts.items()))
+            recent = list(self._recent_staleness)
+            latest = dict(self._latest)
+            states = {w: dict(v) for w, v in self._worker_state.items()}
+        origin = seconds[0] if seconds else 0
+        step_axis, loss_axis = downsample(steps, losses, max_points)
+        now = time.time()
+        table = []
+        for worker in workers:
+            last = latest.get(worker, {})
+            table.append({"worker": worker, "state": states.get(worker, {}).get("state", "starting"),
+                          "step": last.get("step"), "address": states.get(worker, {}).get("address", ""),
+                          "last_seen_s": now - last["time"] if last else None})
+        return {
+            "loss": {"step": step_axis, "loss": loss_axis},
+            "throughput": {"time": [t - origin for t in seconds],
+                           "total": [sum(values) for values in zip(*per_worker.values())] if per_worker else [],
+                           "per_worker": per_worker},
+            "staleness": {"recent_mean": sum(recent) / len(recent) if recent else None,
+                          "max": max(histogram) if histogram else None, "histogram": histogram},
+            "workers": table,
+        }
 
     def steps(self) -> pd.DataFrame:
         """Per-step records, one row per worker step."""
@@ -112,6 +172,40 @@ class MetricsTable:
         with self._lock:
             records = list(self._steps) if window_s is None else _recent(self._steps, window_s)
         return throughput(records)
+
+
+# Worker lifecycle events and the state each leaves the worker in.
+WORKER_STATES = {"worker-started": "running", "paused": "paused", "resumed": "running",
+                 "worker-finished": "finished", "worker-failed": "failed"}
+
+
+def downsample(xs: list[float], ys: list[float], max_points: int) -> tuple[list[float], list[float]]:
+    """At most `max_points` points: consecutive points grouped and each group replaced by its mean."""
+    if len(xs) <= max_points:
+        return list(xs), list(ys)
+    size = -(-len(xs) // max_points)
+    groups = range(0, len(xs), size)
+    return ([sum(xs[i:i + size]) / len(xs[i:i + size]) for i in groups],
+            [sum(ys[i:i + size]) / len(ys[i:i + size]) for i in groups])
+
+
+def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One marker per control action (a switch, an lr or setting change, a pause, a resume) at the step
+    where worker 0 applied it; every worker applies each action (asynchronous ones at their own step)."""
+    markers = []
+    for event in events:
+        kind = event.get("kind")
+        if event.get("worker") != 0 or kind not in ("switched", "changed", "paused", "resumed"):
+            continue
+        if kind == "switched":
+            label = f"{event['from']} -> {event['to']}"
+        elif kind == "changed":
+            parts = [f"lr {event['lr']:g}"] if "lr" in event else []
+            label = ", ".join(parts + [f"{key} {value}" for key, value in (event.get("settings") or {}).items()])
+        else:
+            label = kind
+        markers.append({"kind": kind, "step": event["step"], "time": event.get("time"), "label": label})
+    return sorted(markers, key=lambda m: (m["step"], m["time"] or 0))
 
 
 def _recent(records: collections.deque, window_s: float) -> list[dict[str, Any]]:

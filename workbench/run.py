@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import threading
 import time
 import traceback
@@ -25,7 +26,8 @@ from .data import BuiltinData, DaskArrayData, DataSource, as_source
 from .errors import ClusterError, ConfigError, TrainingError
 from .evaluation import evaluate
 from .job import Job, PreparedJob, loss_function
-from .metrics import MetricsTable, communication_summary, expand, staleness_summary, time_split, topic
+from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
+                      topic)
 from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
 from .sharding import assign_blocks, shard_size
 from .strategies import get_strategy, make_settings
@@ -64,16 +66,19 @@ class FutureWatch:
 
 def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
           run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
-          **settings: Any) -> Run:
+          start: bool = True, **settings: Any) -> Run:
     """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
 
     strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
     workers: how many of the cluster's workers train (default: all).
     run_dir: parent directory of the run's own directory (config, metrics, weights).
+    start: False returns the run unstarted, for `run.start()` later (or the panel's Start button).
+    In a notebook the run displays as its control panel.
     """
     run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
               collective_timeout_s=collective_timeout_s, settings=settings)
-    run.start()
+    if start:
+        run.start()
     return run
 
 
@@ -103,11 +108,13 @@ class Run:
         self._events = threading.Condition()
         self._supervisor: threading.Thread | None = None
         self._prepared: PreparedJob | None = None
-        self._services: Any = None
 
     # --- starting -------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Validate everything, then start the workers; returns at once."""
+        if self.status != "created":
+            raise TrainingError(f"run {self.run_id} was started already ({self.status}); use rerun() for another")
         prepared = self._prepared = self.job.prepare()
         strategy_class = get_strategy(self.strategy)
         settings = make_settings(self.strategy, self._settings_values)
@@ -116,6 +123,7 @@ class Run:
         client = self.client = self._resolve_client(self.client)
         addresses = self.worker_addresses = self._choose_workers(client)
         world_size = len(addresses)
+        strategy_class.check_world(settings, world_size)
 
         train_payload, shard_samples, local = self._place_training_data(client, prepared.train, addresses)
         if prepared.job.batch_size > shard_samples:
@@ -126,8 +134,6 @@ class Run:
 
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
                                      f"{uuid.uuid4().hex[:6]}")
-        # Services (the parameter server) first: they may still refuse the settings for this cluster.
-        self._services = strategy_class.start_services(client, self.run_id, addresses, prepared.job, settings)
         self.directory = RunDirectory(Path(self._run_root) / self.run_id)
         self.config = {
             "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
@@ -141,20 +147,19 @@ class Run:
                                 "settings": dataclasses.asdict(settings)}])
 
         client.subscribe_topic(topic(self.run_id), self._on_message)
-        self._control = ControlWriter(client, self.run_id, ControlState(lr=self.job.lr,
-                                                                      settings=dataclasses.asdict(settings)))
-        host, port = "", 0
-        if strategy_class.uses_process_group:
-            host = get_address_host(addresses[0])
-            port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
+        self._control = ControlWriter(client, self.run_id, ControlState(
+            lr=self.job.lr, strategy=self.strategy, settings=dataclasses.asdict(settings)))
+        # Every run has a process group (see worker.py), on a port free on rank 0's machine.
+        host = get_address_host(addresses[0])
+        port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
         eval_payload = self._scatter(client, prepared.evaluation, addresses[:1])
         for rank, address in enumerate(addresses):
             task = WorkerTask(
                 run_id=self.run_id, rank=rank, world_size=world_size, job=self.job, strategy=self.strategy,
                 settings=settings, shard_samples=shard_samples, total_steps=self.total_steps,
                 local_data=local, master_host=host, master_port=port,
-                collective_timeout_s=self._collective_timeout_s,
-                step_delay_s=self._step_delays.get(rank, 0.0), services=self._services,
+                collective_timeout_s=self._collective_timeout_s, addresses=addresses,
+                step_delay_s=self._step_delays.get(rank, 0.0),
             )
             data = train_payload[address] if local else train_payload
             self._futures.append(client.submit(
@@ -229,11 +234,10 @@ class Run:
         records = expand(message)
         self.table.add(records)
         self.directory.append(records)
-        kind = message.get("kind")
-        if kind in ("worker-finished", "worker-failed"):
-            with self._events:
+        with self._events:  # wakes `wait_for_step`, `wait_for_event` and the supervisor
+            if message.get("kind") in ("worker-finished", "worker-failed"):
                 self._finished_workers.add(message["rank"])
-                self._events.notify_all()
+            self._events.notify_all()
 
     def _supervise(self) -> None:
         try:
@@ -268,8 +272,6 @@ class Run:
         except Exception:
             pass
         self._control.delete()
-        if self._services is not None:
-            self._services.release()
         if errors:
             self.error = "\n".join(errors)
             self.status = "failed"
@@ -298,6 +300,35 @@ class Run:
         if self.status == "failed":
             raise TrainingError(f"run {self.run_id} failed:\n{self.error}")
         return self.status
+
+    def wait_for_step(self, step: int, timeout: float = 60.0) -> None:
+        """Block until every worker has trained past `step` (or the run ended: TrainingError)."""
+        def reached() -> bool:
+            latest = self.table.last_steps()
+            return len(latest) == len(self.worker_addresses) and min(r["step"] for r in latest.values()) >= step
+
+        self._wait_for(reached, timeout, f"every worker past step {step}")
+
+    def wait_for_event(self, kind: str, since: float, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Block until every worker has reported a `kind` event ('switched', 'changed', 'paused',
+        'resumed', ...) timed after `since` (a `time.time()`); returns those events, by worker."""
+        def found() -> list[dict[str, Any]]:
+            events = {e["worker"]: e for e in self.table.events(kind) if e["time"] >= since}
+            return [events[w] for w in sorted(events)] if len(events) == len(self.worker_addresses) else []
+
+        self._wait_for(lambda: bool(found()), timeout, f"a '{kind}' event from every worker")
+        return found()
+
+    def _wait_for(self, condition: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._events:
+            while not condition():
+                if self.done:
+                    raise TrainingError(f"run {self.run_id} ended ({self.status}) before {what}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"run {self.run_id}: still waiting for {what} after {timeout} s")
+                self._events.wait(min(remaining, 0.5))
 
     def pause(self) -> None:
         """Workers stop after their current step (at the next agreed step) until `resume()`."""
@@ -330,13 +361,46 @@ class Run:
         live = strategy_class.settings_class.live
         for key in settings:
             if key not in live:
-                raise ConfigError(key, settings[key], f"a live setting of '{self.strategy}' ({', '.join(live) or 'none'})")
+                raise ConfigError(key, settings[key], f"a live setting of '{self.strategy}' ({', '.join(live) or 'none'}); "
+                                  f"other settings change with switch('{self.strategy}', {key}=...)")
         merged = {**self._control.state.settings, **settings}
         make_settings(self.strategy, merged)  # validates values
         if self.done:
             raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
         self._control.update(settings=settings)
         self.directory.append([{"kind": "control", "time": time.time(), **settings}])
+
+    def switch(self, strategy: str, **settings: Any) -> None:
+        """Switch every worker to `strategy` (with `settings`, defaults for the rest) while the run trains.
+
+        All workers change at one step: the largest any of them has reached when they meet (the others
+        train up to it first). The weights and the optimizer state carry over: a parameter server starts
+        from the averaged weights and optimizer state; workers leaving a parameter server take its
+        weights and its optimizer state. Each worker records a 'switched' event. A paused run switches
+        when resumed.
+        """
+        strategy_class = get_strategy(strategy)
+        validated = make_settings(strategy, settings)
+        strategy_class.check_world(validated, len(self.worker_addresses))
+        if self.status == "created":
+            raise TrainingError(f"run {getattr(self, 'run_id', '?')} has not started; pass the strategy to train()")
+        if self.done:
+            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
+        state = self._control.switch(strategy, dataclasses.asdict(validated))
+        self.strategy = strategy
+        self.directory.append([{"kind": "control", "time": time.time(), "switch_id": state.switch_id,
+                                "strategy": strategy, "settings": dataclasses.asdict(validated)}])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The current strategy's settings as last set (by `train`, `update` or `switch`)."""
+        return dict(self._control.state.settings) if hasattr(self, "_control") else dict(self._settings_values)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate as last set."""
+        state = getattr(self, "_control", None)
+        return state.state.lr if state is not None and state.state.lr is not None else self.job.lr
 
     @property
     def metrics(self) -> Any:
@@ -382,6 +446,26 @@ class Run:
             raise ConfigError("data", None, "held-out data: pass data= or set Job.eval_data")
         return evaluate(self.model(), source.load(), loss_function(self.job))
 
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a live view of the run shows, as plain data (what the control panel renders).
+
+        Cheap at any run length: built from running aggregates, with the loss curve at most 400 points.
+        """
+        view = self.table.live_view()
+        rate = self.table.throughput(5.0)
+        for row in view["workers"]:
+            row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
+        try:
+            dashboard = self.client.dashboard_link if self.client is not None else None
+        except Exception:  # a scheduler without a dashboard
+            dashboard = None
+        directory = getattr(self, "directory", None)
+        return {**view, "run_id": getattr(self, "run_id", None), "status": self.status, "strategy": self.strategy,
+                "settings": self.settings, "lr": self.lr, "error": self.error, "progress": self.progress(),
+                "total_steps": self.total_steps, "samples_per_s": rate["samples_per_s"],
+                "markers": control_markers(self.table.events()), "dashboard": dashboard,
+                "directory": str(directory.path) if directory is not None else None}
+
     def summary(self) -> dict[str, Any]:
         frame = self.table.steps()
         summary: dict[str, Any] = {"run_id": self.run_id, "status": self.status, "strategy": self.strategy,
@@ -402,6 +486,25 @@ class Run:
         if self.error:
             summary["error"] = self.error
         return summary
+
+    def rerun(self, strategy: str | None = None, **settings: Any) -> Run:
+        """Start a new run of the same job on the same cluster (this run's strategy and settings unless
+        given), in the same parent run directory."""
+        if strategy is None:
+            strategy, settings = self.strategy, {**self.settings, **settings}
+        return train(self.job, strategy, client=self.client, workers=self._requested_workers,
+                     run_dir=self._run_root, collective_timeout_s=self._collective_timeout_s, **settings)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        """In a notebook a run shows as its control panel (`widgets.ControlPanel`), found by name at
+        display time so that the engine never imports the UI; plain text where ipywidgets are missing."""
+        try:
+            control_panel = importlib.import_module("widgets.control_panel")
+        except ImportError:
+            return {"text/plain": repr(self)}
+        if getattr(self, "_panel", None) is None:
+            self._panel = control_panel.ControlPanel(self)
+        return self._panel._repr_mimebundle_(include=include, exclude=exclude)
 
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from distributed.protocol import register_generic
 
-from .averaging import elastic_pull
+from .averaging import (elastic_pull, flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state,
+                        slice_optimizer_state)
 from .compression import Packet, decode
 from .errors import TrainingError
 from .job import Job, make_optimizer
@@ -52,10 +53,12 @@ class ParameterShard:
     """Dask actor holding one range of the global parameters and the server-side optimizer over it."""
 
     def __init__(self, index: int, weights: torch.Tensor, job: Job, workers: list[int],
-                 staleness_aware_lr: bool = False) -> None:
+                 staleness_aware_lr: bool = False, optimizer_state: dict[str, Any] | None = None) -> None:
         self.index = index
         self.parameter = torch.nn.Parameter(weights.detach().clone().float(), requires_grad=False)
         self.optimizer = make_optimizer(job, [self.parameter])
+        # After a live switch the server goes on with the optimizer state the workers had.
+        load_flat_optimizer_state(self.optimizer, optimizer_state or {})
         self.staleness_aware_lr = staleness_aware_lr
         self.book = ServerBook(workers)
         # Elastic averaging: the server's copy of each worker's weights, kept equal to the worker's own
@@ -108,6 +111,9 @@ class ParameterShard:
 
     def weights(self) -> torch.Tensor:
         return self.parameter.data.clone()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return flat_optimizer_state(self.optimizer)
 
     def stats(self) -> dict[str, Any]:
         return {"index": self.index, "version": self.book.version, "clocks": dict(self.book.clocks),
@@ -181,17 +187,24 @@ class ServerHandle:
 
 
 def start_parameter_server(client: Any, run_id: str, addresses: list[str], weights: torch.Tensor, job: Job,
-                           shards: int, world_size: int, staleness_aware_lr: bool) -> ServerHandle:
-    """Create `shards` actors over contiguous ranges of `weights`, spread over the run's workers."""
+                           shards: int, world_size: int, staleness_aware_lr: bool,
+                           optimizer_state: dict[str, Any] | None = None) -> ServerHandle:
+    """Create `shards` actors over contiguous ranges of `weights` (and of the optimizer state, when one is
+    carried over), spread over the run's workers."""
     ranges = split_ranges(weights.numel(), shards)
+    state = optimizer_state or {}
     futures = [
         client.submit(ParameterShard, index, weights[start:stop].clone(), job, list(range(world_size)),
-                      staleness_aware_lr, actor=True, workers=[addresses[index % len(addresses)]],
+                      staleness_aware_lr, slice_optimizer_state(state, start, stop),
+                      actor=True, workers=[addresses[index % len(addresses)]],
                       allow_other_workers=False, pure=False, key=f"workbench-{run_id}-server-{index}-{uuid.uuid4().hex[:8]}")
         for index, (start, stop) in enumerate(ranges)
     ]
     actors = [future.result() for future in futures]
     return ServerHandle(actors, ranges, futures)
+
+
+WAIT_SLICE_S = 0.5  # how often a waiting worker checks whether a control action interrupts the wait
 
 
 class Call:
@@ -247,9 +260,28 @@ class ServerClient:
     def elastic(self, worker: int, packets: list[Packet], alpha: float, clock: int | None) -> Call:
         return self._call(lambda actor, i: actor.elastic(worker, packets[i], alpha, clock))
 
-    def wait_for_clock(self, worker: int, clock: int, max_staleness: int) -> dict[str, Any]:
-        # Clocks live on shard 0, the coordinator.
-        return self.actors[0].wait_for_clock(worker, clock, max_staleness, self.timeout_s).result(self.timeout_s + 5)
+    def wait_for_clock(self, worker: int, clock: int, max_staleness: int,
+                       interrupted: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Wait until `worker` at `clock` is within `max_staleness` clocks of the slowest worker.
+
+        Waits in slices so that `interrupted()` (a pause, stop or switch asked for) ends the wait early,
+        with `"interrupted": True`: the worker it waits for may be waiting for that control action.
+        """
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TrainingError(f"worker {worker} waited {self.timeout_s} s for the slowest worker to reach "
+                                    f"clock {clock - max_staleness} (max_staleness {max_staleness})")
+            slice_s = min(WAIT_SLICE_S, remaining)
+            try:
+                # Clocks live on shard 0, the coordinator.
+                reply = self.actors[0].wait_for_clock(worker, clock, max_staleness, slice_s).result(slice_s + 5)
+                return {**reply, "waited_s": time.perf_counter() - started, "interrupted": False}
+            except TimeoutError:
+                if interrupted():
+                    return {"waited_s": time.perf_counter() - started, "interrupted": True}
 
     def finish(self, worker: int, world_size: int) -> int:
         """Say this worker is done, then wait until all are (the final weights are complete then)."""
@@ -262,6 +294,11 @@ class ServerClient:
     def weights(self) -> torch.Tensor:
         replies, _ = self._call(lambda actor, _: actor.weights()).result(self.timeout_s)
         return torch.cat(replies)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The server optimizer's state over all shards, as one flat state (see `flat_optimizer_state`)."""
+        replies, _ = self._call(lambda actor, _: actor.optimizer_state()).result(self.timeout_s)
+        return join_optimizer_states(replies)
 
     def stats(self) -> list[dict[str, Any]]:
         replies, _ = self._call(lambda actor, _: actor.stats()).result(self.timeout_s)

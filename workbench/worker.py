@@ -18,13 +18,15 @@ import torch
 from distributed import get_client, get_worker, secede
 
 from . import collectives
+from .averaging import fingerprint, flatten
 from .control import ControlPoller, ControlState
 from .data import DataSource, Shard, concatenate_blocks
 from .errors import TrainingError
 from .evaluation import evaluate
 from .job import Job, loss_function
 from .metrics import MetricsSender, topic
-from .strategies import StrategySettings, TrainingContext, get_strategy
+from .strategies import StrategySettings, TrainingContext, get_strategy, make_settings
+from .switching import Decision, Position, SwitchRequest, decide
 
 PAUSE_POLL_S = 0.25
 # How often each worker reads the control variable from the scheduler (in a thread, off the step path).
@@ -51,9 +53,9 @@ class WorkerTask:
     master_host: str
     master_port: int
     collective_timeout_s: float
+    addresses: list[str] = dataclasses.field(default_factory=list)  # the run's workers, by rank
     metrics_interval_s: float = 0.25
     step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
-    services: Any = None  # the strategy's shared services (the parameter server's actors)
 
 
 class _StopRequested(Exception):
@@ -68,8 +70,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     sender = MetricsSender(lambda message: worker.log_event(topic(task.run_id), message), task.rank,
                            task.metrics_interval_s)
     poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S)
-    strategy = get_strategy(task.strategy)(task.settings)
-    loop = _Loop(task, strategy, poller, sender)
+    loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender)
     try:
         sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname())
         result = loop.run(train_data, eval_data)
@@ -82,23 +83,33 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     finally:
         sender.flush()
         poller.close()
-        strategy.close()
-        collectives.destroy_process_group()
+        loop.strategy.close()  # the strategy in use at the end, after any switches
+        if loop.joined_group:  # never another run's group, when joining failed because one trains here
+            collectives.destroy_process_group()
 
 
 class _Loop:
     def __init__(self, task: WorkerTask, strategy: Any, poller: ControlPoller, sender: MetricsSender) -> None:
         self.task, self.strategy, self.poller, self.sender = task, strategy, poller, sender
         self.step = 0
+        self.epoch = 0
+        self.joined_group = False
         self._recent_step_s = 0.0  # moving average of step time, for the control interval
+        self.control = ControlState(lr=task.job.lr, strategy=task.strategy,
+                                    settings=dataclasses.asdict(task.settings))
+        self.applied_switch = 0  # switches made so far (the same on every rank)
+        self.pending: SwitchRequest | None = None  # a switch agreed on, made when `step` reaches `switch_at`
+        self.switch_at = 0
 
     def run(self, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
         task, job = self.task, self.task.job
         device = _resolve_device(job.device)
         torch.manual_seed(job.seed)
-        if self.strategy.uses_process_group:
-            collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
-                                           device, task.collective_timeout_s)
+        # Every run forms the process group, whatever its strategy: workers agree on switches and on the
+        # end of the run through it, and a switch to a synchronous strategy needs it.
+        collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
+                                       device, task.collective_timeout_s)
+        self.joined_group = True
         if task.local_data:
             data = concatenate_blocks(*train_data)
         else:
@@ -109,39 +120,101 @@ class _Loop:
         evaluation = eval_data.load() if (eval_data is not None and task.rank == 0) else None
 
         model = job.model().to(device)
-        optimizer = self.strategy.local_optimizer(job, model.parameters())
-        context = TrainingContext(task.rank, task.world_size, device, model, optimizer, task.services,
-                                  task.collective_timeout_s)
+        context = self.context = TrainingContext(
+            task.rank, task.world_size, device, model, None, task.collective_timeout_s, task.run_id,
+            task.addresses, job, interrupted=self._control_waiting)
+        context.optimizer = self.strategy.local_optimizer(job, model.parameters())
         self.strategy.setup(context)
         loss_fn = loss_function(job)
-        control = ControlState(lr=job.lr, settings=dataclasses.asdict(task.settings))
         next_agreement, stopped = 0, False
         try:
-            for epoch in range(1 << 30):
+            for epoch, indices in self._batches(shard, evaluation, loss_fn, device):
+                wait_s = 0.0
+                if self.pending is None and self.step >= next_agreement and self.step < task.total_steps:
+                    started = time.perf_counter()
+                    interval = self._agree_and_apply()
+                    wait_s = time.perf_counter() - started
+                    next_agreement = self.step + interval
+                if self.pending is not None and self.step >= self.switch_at:
+                    started = time.perf_counter()
+                    self._switch()
+                    wait_s += time.perf_counter() - started
+                    next_agreement = self.step  # agree under the new strategy from its first step
                 if self.step >= task.total_steps:
                     break
-                for indices in shard.epoch_batches(epoch, job.batch_size):
-                    if self.step >= task.total_steps:
-                        break
-                    wait_s = 0.0
-                    if self.step >= next_agreement:
-                        started = time.perf_counter()
-                        control, interval = self._agree_and_apply(control, context)
-                        wait_s = time.perf_counter() - started
-                        next_agreement = self.step + interval
-                    self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
-                    if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
-                        self._evaluate(model, evaluation, loss_fn, device, epoch)
-                last_epoch = self.step >= task.total_steps
-                if evaluation is not None and job.eval_every is None and not last_epoch:
+                self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
+                if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
                     self._evaluate(model, evaluation, loss_fn, device, epoch)
         except _StopRequested:
             stopped = True
+        self._meet_at_end(stopped)
         self.strategy.finish(context)
+        collectives.barrier()  # every rank holds the final weights before any service is released
         if evaluation is not None:  # the final weights, after the strategy's last synchronisation
-            self._evaluate(model, evaluation, loss_fn, device, epoch, final=True)
+            self._evaluate(model, evaluation, loss_fn, device, self.epoch, final=True)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if task.rank == 0 else None
         return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state}
+
+    def _batches(self, shard: Shard, evaluation: Any, loss_fn: Any, device: torch.device):
+        """(epoch, batch indices) without end; evaluates at epoch ends when no `eval_every` is set."""
+        job = self.task.job
+        for epoch in range(1 << 30):
+            self.epoch = epoch
+            for indices in shard.epoch_batches(epoch, job.batch_size):
+                yield epoch, indices
+            if evaluation is not None and job.eval_every is None and self.step < self.task.total_steps:
+                self._evaluate(self.context.model, evaluation, loss_fn, device, epoch)
+
+    def _control_waiting(self) -> bool:
+        """Whether the newest control state asks for something the loop must handle (see `interrupted`)."""
+        latest = self.poller.latest()
+        return latest.stop or latest.paused or latest.switch_id > self.applied_switch
+
+    # --- switching strategies --------------------------------------------------------------------------
+
+    def _rendezvous(self, at_end: bool, stopping: bool = False) -> Decision:
+        """Meet every other rank (see `switching`); all return the same decision."""
+        latest = self.poller.latest()
+        newest = latest if latest.version > self.control.version else self.control
+        position = Position(self.step, at_end, stopping, newest.to_message())
+        positions = [Position.from_message(m) for m in collectives.all_gather_json(position.to_message())]
+        return decide(positions, self.applied_switch)
+
+    def _meet_at_end(self, stopped: bool) -> None:
+        """Out of steps (or stopping): meet the others until all are, making any switch still agreed on."""
+        while True:
+            if self.pending is not None:  # a switch agreed for the step this worker has reached
+                self._switch()
+            decision = self._rendezvous(at_end=True, stopping=stopped)
+            if decision.finished or (decision.stop and decision.all_at_end):
+                return
+            if decision.switch is not None:
+                self.pending, self.switch_at = decision.switch, decision.target_step
+
+    def _switch(self) -> None:
+        """Change strategy on every rank at this step, carrying the weights and optimizer state over."""
+        request, context, old = self.pending, self.context, self.strategy
+        started = time.perf_counter()
+        before = fingerprint(flatten(list(context.model.parameters())))
+        old.finish(context)  # common weights: averaged, or the server's
+        carried = old.carry_out(context)
+        collectives.barrier()  # every rank holds the carried state before the old services go
+        old.close()
+        settings = make_settings(request.strategy, request.settings)
+        new = get_strategy(request.strategy)(settings)
+        context.optimizer = new.local_optimizer(context.job, context.model.parameters())
+        if self.control.lr is not None:
+            for group in context.optimizer.param_groups:
+                group["lr"] = self.control.lr
+        new.carry_in(context, carried)
+        new.setup(context)
+        self.strategy, self.applied_switch, self.pending = new, request.switch_id, None
+        # The fingerprints let anyone check from the metrics that every worker starts the new strategy
+        # from the same, carried-over weights.
+        self.sender.event("switched", step=self.step, switch_id=request.switch_id, settings=dataclasses.asdict(settings),
+                          took_s=time.perf_counter() - started, carried_optimizer_state=sorted(carried.optimizer_state),
+                          weights_before=before, weights_after=fingerprint(flatten(list(context.model.parameters()))),
+                          **{"from": old.name, "to": new.name})
 
     def _train_step(self, context: TrainingContext, loss_fn: Any, shard: Shard, indices: torch.Tensor,
                     epoch: int, wait_s: float, device: torch.device) -> None:
@@ -175,10 +248,10 @@ class _Loop:
         self.sender.record(record)
         self.step += 1
 
-    def _agree_and_apply(self, control: ControlState, context: TrainingContext) -> tuple[ControlState, int]:
-        """All ranks take one control state at this step, and the steps until the next agreement.
+    def _agree_and_apply(self) -> int:
+        """All ranks take one control state at this step; returns the steps until the next agreement.
 
-        Pausing blocks here until resumed or stopped.
+        Pausing blocks here until resumed or stopped. A switch not made yet leads to a rendezvous.
         """
         control, interval = self._agree(self.poller.latest())
         if control.paused and not control.stop:
@@ -189,17 +262,32 @@ class _Loop:
                 self.sender.event("resumed", step=self.step)
         if control.stop:
             raise _StopRequested
-        if control.lr is not None:
-            for group in context.optimizer.param_groups:
+        if control.version > self.control.version:
+            self.control = control
+        changes: dict[str, Any] = {}
+        optimizer = self.context.optimizer
+        if control.lr is not None and optimizer.param_groups[0]["lr"] != control.lr:
+            for group in optimizer.param_groups:
                 group["lr"] = control.lr
-        live = {k: v for k, v in control.settings.items()
-                if k in self.strategy.settings.live and getattr(self.strategy.settings, k) != v}
-        if live:
-            self.strategy.update_settings(live)
-            # A new period moves the sync points; agree again at the next one (the same on every rank,
-            # unlike the timing-based interval only rank 0 computes).
-            interval = self.strategy.control_alignment()
-        return control, interval
+            changes["lr"] = control.lr
+        if control.strategy == self.strategy.name and control.switch_id == self.applied_switch:
+            live = {k: v for k, v in control.settings.items()
+                    if k in self.strategy.settings.live and getattr(self.strategy.settings, k) != v}
+            if live:
+                self.strategy.update_settings(live)
+                changes["settings"] = live
+                # A new period moves the sync points; agree again at the next one (the same on every rank,
+                # unlike the timing-based interval only rank 0 computes).
+                interval = self.strategy.control_alignment()
+        if changes:
+            self.sender.event("changed", step=self.step, strategy=self.strategy.name, **changes)
+        if control.switch_id > self.applied_switch:
+            decision = self._rendezvous(at_end=False)
+            if decision.stop:
+                raise _StopRequested
+            if decision.switch is not None:
+                self.pending, self.switch_at = decision.switch, decision.target_step
+        return interval
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:
         """Rank 0's control state and agreement interval on every rank (each its own without a group)."""

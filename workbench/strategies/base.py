@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
+from .. import collectives
+from ..averaging import flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
 from ..errors import ConfigError
 from ..job import make_optimizer
 
@@ -24,8 +27,20 @@ class TrainingContext:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    services: Any = None  # what `Strategy.start_services` made on the client (e.g. the parameter server)
     timeout_s: float = 60.0  # the most any wait on other workers or services may take
+    run_id: str = ""
+    addresses: list[str] = dataclasses.field(default_factory=list)  # the run's workers, by rank
+    job: Any = None
+    # True when a control action (pause, stop, switch) waits to be handled: long waits end early for it.
+    interrupted: Callable[[], bool] = lambda: False
+
+
+@dataclasses.dataclass
+class Carried:
+    """The training state one strategy hands the next at a live switch, the same on every worker."""
+
+    weights: torch.Tensor  # flat, in `model.parameters()` order
+    optimizer_state: dict[str, Any]  # `averaging.flat_optimizer_state` of the job's optimizer
 
 
 @dataclasses.dataclass
@@ -54,10 +69,8 @@ class Strategy:
         self.settings = settings
 
     @classmethod
-    def start_services(cls, client: Any, run_id: str, addresses: list[str], job: Any,
-                       settings: StrategySettings) -> Any:
-        """Client side, before the workers start: create shared services (an object with `release()`)."""
-        return None
+    def check_world(cls, settings: StrategySettings, world_size: int) -> None:
+        """Client side, before anything starts: refuse settings this number of workers cannot honour."""
 
     def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
         """The optimizer each worker steps its own model with (default: the job's)."""
@@ -75,7 +88,26 @@ class Strategy:
         return {}
 
     def finish(self, context: TrainingContext) -> None:
-        """Called once after the last step: bring workers to the final, common weights."""
+        """Called once after the last step (or before a switch): bring workers to common weights."""
+
+    def carry_out(self, context: TrainingContext) -> Carried:
+        """After `finish`, before a switch: the weights and the job optimizer's state to carry over.
+
+        Collective: every rank calls it. Here the workers' own optimizers hold the state; it is averaged
+        (equal already under `allreduce`, drifted apart under `average`).
+        """
+        state = flat_optimizer_state(context.optimizer)
+        tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
+        if tensors:
+            vector = flatten(tensors)
+            collectives.all_reduce_mean(vector)
+            unflatten_into(vector, tensors)
+        return Carried(flatten(list(context.model.parameters())), state)
+
+    def carry_in(self, context: TrainingContext, carried: Carried) -> None:
+        """Before `setup` of the strategy switched to: start from the carried weights and optimizer state."""
+        unflatten_into(carried.weights, [p.data for p in context.model.parameters()])
+        load_flat_optimizer_state(context.optimizer, carried.optimizer_state)
 
     def close(self) -> None:
         """Release hooks and buffers; called on every exit path."""

@@ -13,13 +13,15 @@ import time
 from typing import Any
 
 import torch
-from distributed import get_worker
+from distributed import get_client, get_worker
 
+from .. import collectives
 from ..averaging import flatten, unflatten_into
 from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
 from ..errors import ConfigError
-from ..server import Call, Reply, ServerClient, merge_replies, start_parameter_server
-from .base import Strategy, StrategySettings, TrainingContext, check_positive_int, check_positive_number
+from ..server import Call, Reply, ServerClient, ServerHandle, merge_replies, start_parameter_server
+from .base import (Carried, Strategy, StrategySettings, TrainingContext, check_positive_int,
+                   check_positive_number)
 
 
 @dataclasses.dataclass
@@ -102,24 +104,36 @@ class _ServerStrategy(Strategy):
     settings: ServerOptions
 
     @classmethod
-    def start_services(cls, client: Any, run_id: str, addresses: list[str], job: Any,
-                       settings: ServerOptions) -> Any:
-        if settings.shards > len(addresses):
-            raise ConfigError("shards", settings.shards, f"at most {len(addresses)}, the run's workers",
+    def check_world(cls, settings: ServerOptions, world_size: int) -> None:
+        if settings.shards > world_size:
+            raise ConfigError("shards", settings.shards, f"at most {world_size}, the run's workers",
                               "Use fewer shards or more workers")
-        with torch.random.fork_rng():  # leave the caller's random state alone
-            torch.manual_seed(job.seed)  # the same initial weights the workers build
-            weights = flatten(list(job.model().parameters()))
-        server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, settings) else job
-        return start_parameter_server(client, run_id, addresses, weights, server_job, settings.shards,
-                                      len(addresses), getattr(settings, "staleness_aware_lr", False))
+
+    def carry_in(self, context: TrainingContext, carried: Carried) -> None:
+        super().carry_in(context, carried)
+        # The job's optimizer runs on the server here: it starts with the state the workers had.
+        self.carried_optimizer_state = carried.optimizer_state
+
+    def carry_out(self, context: TrainingContext) -> Carried:
+        # After `finish` every worker holds the server's weights; the optimizer state lives on the server.
+        return Carried(flatten(self.parameters), self.server.optimizer_state())
+
+    def _start_server(self, context: TrainingContext) -> ServerHandle:
+        """Rank 0 creates the shards from its current weights (equal on every rank at this point)."""
+        job = context.job
+        server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, self.settings) else job
+        return start_parameter_server(get_client(), context.run_id, context.addresses,
+                                      flatten(list(context.model.parameters())), server_job, self.settings.shards,
+                                      context.world_size, getattr(self.settings, "staleness_aware_lr", False),
+                                      getattr(self, "carried_optimizer_state", None))
 
     def setup(self, context: TrainingContext) -> None:
-        try:
-            loop = get_worker().loop.asyncio_loop
-        except ValueError:  # not on a worker (tests drive strategies from the client)
-            loop = None
-        self.server = ServerClient(context.services, context.timeout_s, loop)
+        # Started here rather than by the client, so a live switch can start one from the weights of the
+        # moment; rank 0 keeps the references that keep the actors alive, the others get the handle.
+        self.owned_server = self._start_server(context) if context.rank == 0 else None
+        handle = collectives.broadcast_object(self.owned_server)
+        loop = get_worker().loop.asyncio_loop
+        self.server = ServerClient(handle, context.timeout_s, loop)
         self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
         self.parameters = list(context.model.parameters())
         self.numel = sum(p.numel() for p in self.parameters)
@@ -194,6 +208,10 @@ class _ServerStrategy(Strategy):
                 self.server.announce_finished(self.rank)
             except Exception:
                 pass  # the server may be gone too; the run is failing already
+        # The loop calls close only after every rank has taken the final weights (a barrier).
+        if getattr(self, "owned_server", None) is not None:
+            self.owned_server.release()
+            self.owned_server = None
 
     def _flush(self, context: TrainingContext) -> None:
         """Send what is still unsent at the end of the run."""
@@ -326,7 +344,11 @@ class StaleSynchronous(AsyncSGD):
         if self.clock - self.known_slowest_clock <= bound:
             # Within the bound by what we already know: no round trip (the gap recorded is an upper bound).
             return {**report, "wait_s": 0.0, "clock_gap": self.clock - self.known_slowest_clock}
-        reply = self.server.wait_for_clock(self.rank, self.clock, bound)
+        reply = self.server.wait_for_clock(self.rank, self.clock, bound, context.interrupted)
+        if reply["interrupted"]:
+            # A pause, stop or switch: the loop handles it at the next step; the bound is checked again
+            # at the next push.
+            return {**report, "wait_s": reply["waited_s"], "clock_gap": self.clock - self.known_slowest_clock}
         self.known_slowest_clock = max(self.known_slowest_clock, reply["slowest_clock"])
         return {**report, "wait_s": reply["waited_s"], "clock_gap": reply["clock_gap"]}
 

@@ -1,0 +1,64 @@
+"""The example notebooks, executed top to bottom in a real kernel (nbclient) on the embedded default
+cluster, shrunk by WORKBENCH_NOTEBOOK_QUICK=1; any cell error fails the test."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+# What each notebook must have printed or shown, beyond running without an error.
+EXPECTED_OUTPUT = {
+    "01-quickstart": ["held-out accuracy", "application/vnd.jupyter.widget-view+json"],
+    "02-compare-strategies": ["Fastest:", "staleness mean", "application/vnd.jupyter.widget-view+json"],
+    "03-live-control": ["paused at steps", "average -> async", "back to async at step"],
+    "04-existing-cluster": ["held-out accuracy", "tcp://127.0.0.1"],
+    "05-bring-your-own-model": ["on shifted images", "parameters"],
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory):
+    """A kernelspec for this very interpreter, so the kernel imports the workbench under test."""
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / "workbench-tests"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "workbench tests", "language": "python"}))
+    saved = {key: os.environ.get(key) for key in ("JUPYTER_PATH", "WORKBENCH_NOTEBOOK_QUICK")}
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), saved["JUPYTER_PATH"]]))
+    os.environ["WORKBENCH_NOTEBOOK_QUICK"] = "1"
+    yield "workbench-tests"
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_every_notebook_is_covered_and_stored_without_outputs():
+    assert [path.stem for path in NOTEBOOKS] == sorted(EXPECTED_OUTPUT)
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        for cell in notebook.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{path.name} has outputs"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_runs_top_to_bottom(path, kernel_name, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    # Run directories and files land in tmp_path, the notebook's working directory.
+    NotebookClient(notebook, timeout=300, kernel_name=kernel_name, store_widget_state=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    shown = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
+    for expected in EXPECTED_OUTPUT[path.stem]:
+        assert expected in shown, f"{path.name} did not show {expected!r}"
