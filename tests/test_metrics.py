@@ -93,3 +93,41 @@ def test_communication_summary_bytes_hidden_share_and_version_rate():
     assert summary["comm_hidden_fraction"] == pytest.approx(0.9)  # 0.1 s of 1.0 s exposed
     assert summary["server_versions_per_s"] == pytest.approx(6.0)  # 6 versions in 1 s
     assert communication_summary(pd.DataFrame([{"worker": 0, "time": 1.0, "comm_s": 0.0}])) == {}
+
+
+def test_live_view_aggregates_loss_throughput_staleness_and_workers_exactly():
+    from workbench.metrics import MetricsTable, control_markers, downsample
+
+    table = MetricsTable()
+    table.add([{"kind": "worker-started", "worker": 0, "address": "tcp://a", "time": 100.0},
+               {"kind": "worker-started", "worker": 1, "address": "tcp://b", "time": 100.0}])
+    records = []
+    for step in range(4):
+        for worker in (0, 1):
+            records.append({"kind": "step", "worker": worker, "step": step, "time": 1000.0 + step, "samples": 8,
+                            "loss": float(step + worker), "staleness": worker + step % 2})
+    records.append({"kind": "step", "worker": 0, "step": 4, "time": 1004.5, "samples": 8, "loss": 0.0})
+    table.add(records)
+    table.add([{"kind": "paused", "worker": 1, "step": 4, "time": 1005.0}])
+    view = table.live_view()
+    assert view["loss"] == {"step": [0, 1, 2, 3, 4], "loss": [0.5, 1.5, 2.5, 3.5, 0.0]}
+    # Whole seconds 1000..1003 (1004 is still filling up): 8 samples per worker each.
+    assert view["throughput"]["time"] == [0, 1, 2, 3]
+    assert view["throughput"]["per_worker"] == {0: [8, 8, 8, 8], 1: [8, 8, 8, 8]}
+    assert view["throughput"]["total"] == [16, 16, 16, 16]
+    assert view["staleness"]["histogram"] == {0: 2, 1: 4, 2: 2}
+    assert view["staleness"]["max"] == 2 and view["staleness"]["recent_mean"] == 1.0
+    rows = {row["worker"]: row for row in view["workers"]}
+    assert rows[0]["state"] == "running" and rows[0]["step"] == 4 and rows[0]["address"] == "tcp://a"
+    assert rows[1]["state"] == "paused" and rows[1]["step"] == 3
+    assert downsample([0, 1, 2, 3, 4], [1, 1, 3, 3, 5], 3) == ([0.5, 2.5, 4.0], [1.0, 3.0, 5.0])
+
+    markers = control_markers([
+        {"kind": "switched", "worker": 0, "step": 40, "time": 2.0, "from": "async", "to": "average"},
+        {"kind": "switched", "worker": 1, "step": 40, "time": 2.0, "from": "async", "to": "average"},
+        {"kind": "changed", "worker": 0, "step": 10, "time": 1.0, "lr": 0.02, "settings": {"period": 6}},
+        {"kind": "paused", "worker": 0, "step": 50, "time": 3.0},
+        {"kind": "eval", "worker": 0, "step": 45, "time": 2.5},
+    ])
+    assert [(m["step"], m["label"]) for m in markers] == [(10, "lr 0.02, period 6"), (40, "async -> average"),
+                                                          (50, "paused")]

@@ -1,6 +1,8 @@
 """Live strategy switches on a real 2-process cluster: one step for all workers, carried-over state."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -174,3 +176,65 @@ def test_a_switch_reaches_a_worker_held_back_by_the_ssp_bound(client, run_dir):
     finally:
         run.stop()
     assert run.wait(120) == "stopped"
+
+
+@pytest.mark.parametrize("order", ["switch-then-pause", "pause-then-switch"])
+def test_a_switch_and_a_pause_together_never_deadlock(client, run_dir, order):
+    run = Run(digits_job(epochs=200), "async", client=client, workers=None, run_dir=run_dir, name=None,
+              collective_timeout_s=30, settings={}, step_delays={0: 0.002, 1: 0.002})
+    run.start()
+    try:
+        run.wait_for_step(20, timeout=60)
+        since = time.time()
+        if order == "switch-then-pause":  # back to back: workers may read either state first
+            run.switch("average", period=4)
+            run.pause()
+        else:
+            run.pause()
+            run.wait_for_event("paused", since, timeout=30)
+            run.switch("average", period=4)
+        switched_events = run.wait_for_event("switched", since, timeout=20)
+        assert switched_events[0]["step"] == switched_events[1]["step"]
+        # ... and the run is paused again right after the switch, at the switch step.
+        wait_until(lambda: {e["worker"] for e in run.events("paused") if e["time"] >= switched_events[0]["time"]}
+                   == {0, 1}, timeout_s=20)
+        paused = {e["worker"]: e["step"] for e in run.events("paused") if e["time"] >= switched_events[0]["time"]}
+        assert paused == {0: switched_events[0]["step"], 1: switched_events[0]["step"]}
+        since = time.time()
+        run.resume()
+        run.wait_for_event("resumed", since, timeout=20)
+        run.wait_for_step(switched_events[0]["step"] + 5, timeout=60)
+    finally:
+        run.stop()
+    assert run.wait(120) == "stopped"
+
+
+def test_adam_state_carries_through_elastic_averaging_and_back(client, run_dir):
+    job = digits_job(epochs=200, optimizer="adam", lr=0.002, momentum=0.0)
+    run = workbench.train(job, "allreduce", client=client, run_dir=run_dir)
+    try:
+        run.wait_for_step(20, timeout=60)
+        run.switch("easgd", period=4)
+        first = run.wait_for_event("switched", 0, timeout=30)
+        run.wait_for_step(first[0]["step"] + 20, timeout=60)
+        since = time.time()
+        run.switch("allreduce")
+        second = run.wait_for_event("switched", since, timeout=30)
+        run.wait_for_step(second[0]["step"] + 5, timeout=60)
+    finally:
+        run.stop()
+    run.wait(120)
+    # EASGD workers keep their own Adam: its moments and step go into the switch and come back out.
+    for event in first + second:
+        assert list(event["carried_optimizer_state"]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert second[0]["weights_after"] == second[1]["weights_after"]  # the center's weights on both
+
+
+def test_control_actions_need_a_started_run(client, run_dir):
+    run = workbench.train(digits_job(epochs=1), "average", client=client, run_dir=run_dir, start=False)
+    for action in (lambda: run.set_lr(0.1), lambda: run.update(period=2), lambda: run.switch("async"),
+                   run.pause, run.resume):
+        with pytest.raises(TrainingError, match="has not started"):
+            action()
+    run.stop()  # harmless
+    assert run.status == "created" and run.snapshot()["run_id"] is None

@@ -45,7 +45,9 @@ def loss_against_time(run: Any, bin_s: float = 0.5) -> tuple[list[float], list[f
 
 def compare_runs(runs: list[Any], labels: list[str] | None = None) -> ipw.VBox:
     """Loss against wall time, throughput and staleness of `runs`, side by side, above a summary table."""
-    labels = labels or [f"{run.strategy}" for run in runs]
+    strategies = [run.strategy for run in runs]
+    # Bars sit on categories: runs of the same strategy need labels of their own.
+    labels = labels or [s if strategies.count(s) == 1 else f"{s} {i + 1}" for i, s in enumerate(strategies)]
     colours = [COLOURS[i % len(COLOURS)] for i in range(len(runs))]
     table = comparison_table(runs)
     layout = {"width": "380px", "height": "280px"}

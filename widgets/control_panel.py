@@ -34,6 +34,11 @@ class ControlPanel:
             raise workbench.ConfigError("refresh_s", refresh_s, f"a number of seconds >= {MIN_REFRESH_S}")
         self.run = run
         self.refresh_s = float(refresh_s)
+        # Drawing happens on the refresh thread and after every action on the kernel's thread: one at a
+        # time. A widget value set while drawing is not a user's action: flagged per thread, so a slider
+        # the user moves while the other thread draws still counts.
+        self._drawing = threading.RLock()
+        self._in_draw = threading.local()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._build()
@@ -70,7 +75,7 @@ class ControlPanel:
                                         tooltip="switch the running run to this strategy at one step")
         self.switch_button.on_click(self._guarded("switch", self._on_switch))
         self.strategy_dropdown.observe(lambda change: self._show_settings(change["new"]), names="value")
-        self._show_settings(self.run.strategy, self.run.settings)
+        self._show_settings(self.run.strategy)
 
         self.progress = ipw.FloatProgress(min=0, max=1, description="progress")
         self.progress_text = ipw.Label()
@@ -112,11 +117,12 @@ class ControlPanel:
             fig_margin=margin, axes=[bqplot.Axis(scale=x, label="versions behind"),
                                      bqplot.Axis(scale=y, side="left")])
 
-    def _show_settings(self, strategy: str, values: dict[str, Any] | None = None) -> None:
+    def _show_settings(self, strategy: str) -> None:
         """The chosen strategy's settings as form fields (its current values when it is the run's)."""
         strategy_class = get_strategy(strategy)
-        defaults = strategy_class.settings_class()
-        values = {**dataclasses.asdict(defaults), **(values or {})}
+        values = dataclasses.asdict(strategy_class.settings_class())
+        if strategy == self.run.strategy:
+            values.update(self.run.settings)
         self.setting_widgets = {field.name: _setting_widget(field, values[field.name])
                                 for field in dataclasses.fields(strategy_class.settings_class)}
         self.settings_box.children = list(self.setting_widgets.values())
@@ -127,7 +133,7 @@ class ControlPanel:
     def _guarded(self, action: str, handler: Any) -> Any:
         """Show a handler's error in the panel: in JupyterLab a callback's exception is otherwise lost."""
         def call(argument: Any) -> None:
-            if getattr(self, "_updating", False):  # the refresh moved a slider, not the user
+            if getattr(self._in_draw, "active", False):  # drawing moved a slider, not the user
                 return
             try:
                 handler(argument)
@@ -147,13 +153,15 @@ class ControlPanel:
         self.start_refreshing()
 
     def _on_lr(self, change: dict[str, Any]) -> None:
-        self.run.set_lr(float(change["new"]))
+        if float(change["new"]) != self.run.lr:
+            self.run.set_lr(float(change["new"]))
 
     def _on_period(self, change: dict[str, Any]) -> None:
         setting = PERIOD_SETTINGS.get(self.run.strategy)
         if setting is None:
             raise workbench.ConfigError("period", change["new"], f"a strategy with a period ({', '.join(PERIOD_SETTINGS)})")
-        self.run.update(**{setting: int(change["new"])})
+        if self.run.settings.get(setting) != int(change["new"]):
+            self.run.update(**{setting: int(change["new"])})
 
     def _on_switch(self, _: Any) -> None:
         self.run.switch(self.strategy_dropdown.value, **self.chosen_settings())
@@ -192,12 +200,13 @@ class ControlPanel:
 
     def refresh(self) -> None:
         """Draw the run's current snapshot."""
-        snapshot = self.run.snapshot()
-        self._updating = True
-        try:
-            self._draw(snapshot)
-        finally:
-            self._updating = False
+        with self._drawing:
+            snapshot = self.run.snapshot()
+            self._in_draw.active = True
+            try:
+                self._draw(snapshot)
+            finally:
+                self._in_draw.active = False
 
     def _draw(self, s: dict[str, Any]) -> None:
         status = s["status"]
@@ -211,9 +220,10 @@ class ControlPanel:
         self.resume_button.disabled = status != "paused"
         self.stop_button.disabled = status not in ("running", "paused")
         self.switch_button.disabled = status not in ("running", "paused")
+        self.lr_slider.disabled = status not in ("running", "paused")
         self.lr_slider.value = s["lr"]
         setting = PERIOD_SETTINGS.get(s["strategy"])
-        self.period_slider.disabled = setting is None
+        self.period_slider.disabled = setting is None or status not in ("running", "paused")
         self.period_slider.description = setting or "period"
         if setting is not None:
             self.period_slider.value = int(s["settings"].get(setting, 1))

@@ -139,5 +139,11 @@ def fingerprint(vector: torch.Tensor, probes: int = 3, seed: int = 0) -> list[fl
     """
     generator = torch.Generator().manual_seed(seed)
     values = vector.detach().reshape(-1).cpu().double()
-    directions = torch.randn(probes, values.numel(), generator=generator, dtype=torch.float64)
-    return [float(values.sum())] + (directions @ values).tolist()
+    projections = torch.zeros(probes, dtype=torch.float64)
+    # In chunks: the random directions of a large model would not fit in memory at once.
+    for chunk in values.split(FINGERPRINT_CHUNK):
+        projections += torch.randn(probes, chunk.numel(), generator=generator, dtype=torch.float64) @ chunk
+    return [float(values.sum())] + projections.tolist()
+
+
+FINGERPRINT_CHUNK = 1 << 20

@@ -113,19 +113,21 @@ class MetricsTable:
 
     def live_view(self, max_points: int = 400) -> dict[str, Any]:
         """What a live view draws, from running aggregates: loss per step (mean over workers, at most
-        `max_points` points), samples/s per second of wall time in total and per worker, staleness
+        `max_points` points), samples/s per second of wall time in total and per worker (the last
+        THROUGHPUT_HISTORY_S seconds), staleness
         (recent mean, histogram), and each worker's state, step and last-seen time."""
         with self._lock:
             steps = sorted(self._loss_by_step)
             losses = [self._loss_by_step[s][0] / self._loss_by_step[s][1] for s in steps]
-            seconds = sorted(self._samples_by_second)[:-1]  # the newest second is still filling up
+            # The last THROUGHPUT_HISTORY_S seconds; the newest one is still filling up.
+            seconds = sorted(self._samples_by_second)[-THROUGHPUT_HISTORY_S - 1:-1]
+            origin = min(self._samples_by_second, default=0)  # times count from the run's first step
             workers = sorted({w for c in self._samples_by_second.values() for w in c} | set(self._worker_state))
             per_worker = {w: [self._samples_by_second[t][w] for t in seconds] for w in workers}
             histogram = dict(sorted(self._staleness_counts.items()))
             recent = list(self._recent_staleness)
             latest = dict(self._latest)
             states = {w: dict(v) for w, v in self._worker_state.items()}
-        origin = seconds[0] if seconds else 0
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
@@ -173,6 +175,8 @@ class MetricsTable:
             records = list(self._steps) if window_s is None else _recent(self._steps, window_s)
         return throughput(records)
 
+
+THROUGHPUT_HISTORY_S = 300  # seconds of throughput history a live view shows
 
 # Worker lifecycle events and the state each leaves the worker in.
 WORKER_STATES = {"worker-started": "running", "paused": "paused", "resumed": "running",

@@ -330,28 +330,38 @@ class Run:
                     raise TimeoutError(f"run {self.run_id}: still waiting for {what} after {timeout} s")
                 self._events.wait(min(remaining, 0.5))
 
+    def _require_running(self) -> None:
+        """Refuse a control action on a run that has not started or has ended."""
+        if self.status == "created":
+            raise TrainingError("the run has not started yet: call start() first (or train() without start=False)")
+        if self.done:
+            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
+
     def pause(self) -> None:
         """Workers stop after their current step (at the next agreed step) until `resume()`."""
+        if self.status == "created":
+            self._require_running()
         if not self.done:
             self._control.update(paused=True)
             self.status = "paused"
 
     def resume(self) -> None:
+        if self.status == "created":
+            self._require_running()
         if not self.done:
             self._control.update(paused=False)
             self.status = "running"
 
     def stop(self) -> None:
         """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
-        if not self.done:
+        if self.status != "created" and not self.done:
             self._control.update(stop=True)
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate on every worker while the run trains."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
             raise ConfigError("lr", lr, "a finite number > 0")
-        if self.done:
-            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
+        self._require_running()
         self._control.update(lr=float(lr))
         self.directory.append([{"kind": "control", "time": time.time(), "lr": float(lr)}])
 
@@ -363,10 +373,9 @@ class Run:
             if key not in live:
                 raise ConfigError(key, settings[key], f"a live setting of '{self.strategy}' ({', '.join(live) or 'none'}); "
                                   f"other settings change with switch('{self.strategy}', {key}=...)")
+        self._require_running()
         merged = {**self._control.state.settings, **settings}
         make_settings(self.strategy, merged)  # validates values
-        if self.done:
-            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
         self._control.update(settings=settings)
         self.directory.append([{"kind": "control", "time": time.time(), **settings}])
 
@@ -376,16 +385,13 @@ class Run:
         All workers change at one step: the largest any of them has reached when they meet (the others
         train up to it first). The weights and the optimizer state carry over: a parameter server starts
         from the averaged weights and optimizer state; workers leaving a parameter server take its
-        weights and its optimizer state. Each worker records a 'switched' event. A paused run switches
-        when resumed.
+        weights and its optimizer state. Each worker records a 'switched' event. A paused run makes the
+        switch and stays paused.
         """
         strategy_class = get_strategy(strategy)
         validated = make_settings(strategy, settings)
+        self._require_running()
         strategy_class.check_world(validated, len(self.worker_addresses))
-        if self.status == "created":
-            raise TrainingError(f"run {getattr(self, 'run_id', '?')} has not started; pass the strategy to train()")
-        if self.done:
-            raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
         state = self._control.switch(strategy, dataclasses.asdict(validated))
         self.strategy = strategy
         self.directory.append([{"kind": "control", "time": time.time(), "switch_id": state.switch_id,

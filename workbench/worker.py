@@ -129,17 +129,17 @@ class _Loop:
         next_agreement, stopped = 0, False
         try:
             for epoch, indices in self._batches(shard, evaluation, loss_fn, device):
-                wait_s = 0.0
-                if self.pending is None and self.step >= next_agreement and self.step < task.total_steps:
-                    started = time.perf_counter()
-                    interval = self._agree_and_apply()
-                    wait_s = time.perf_counter() - started
-                    next_agreement = self.step + interval
-                if self.pending is not None and self.step >= self.switch_at:
-                    started = time.perf_counter()
-                    self._switch()
-                    wait_s += time.perf_counter() - started
-                    next_agreement = self.step  # agree under the new strategy from its first step
+                started = time.perf_counter()
+                while True:  # control and switches before this step; a switch is followed by an agreement
+                    if self.pending is not None and self.step >= self.switch_at:
+                        self._switch()
+                        next_agreement = self.step  # e.g. a pause asked for with the switch applies here
+                    if self.pending is None and self.step >= next_agreement and self.step < task.total_steps:
+                        next_agreement = self.step + self._agree_and_apply()
+                        if self.pending is not None and self.step >= self.switch_at:
+                            continue
+                    break
+                wait_s = time.perf_counter() - started
                 if self.step >= task.total_steps:
                     break
                 self._train_step(context, loss_fn, shard, indices, epoch, wait_s, device)
@@ -168,7 +168,8 @@ class _Loop:
     def _control_waiting(self) -> bool:
         """Whether the newest control state asks for something the loop must handle (see `interrupted`)."""
         latest = self.poller.latest()
-        return latest.stop or latest.paused or latest.switch_id > self.applied_switch
+        known = self.pending.switch_id if self.pending is not None else self.applied_switch
+        return latest.stop or latest.paused or latest.switch_id > known
 
     # --- switching strategies --------------------------------------------------------------------------
 
@@ -178,7 +179,11 @@ class _Loop:
         newest = latest if latest.version > self.control.version else self.control
         position = Position(self.step, at_end, stopping, newest.to_message())
         positions = [Position.from_message(m) for m in collectives.all_gather_json(position.to_message())]
-        return decide(positions, self.applied_switch)
+        decision = decide(positions, self.applied_switch)
+        newest = max((p.control for p in positions), key=lambda control: control["version"])
+        if newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
+            self.control = ControlState.from_message(newest)
+        return decision
 
     def _meet_at_end(self, stopped: bool) -> None:
         """Out of steps (or stopping): meet the others until all are, making any switch still agreed on."""
@@ -251,14 +256,26 @@ class _Loop:
     def _agree_and_apply(self) -> int:
         """All ranks take one control state at this step; returns the steps until the next agreement.
 
-        Pausing blocks here until resumed or stopped. A switch not made yet leads to a rendezvous.
+        Pausing blocks here until resumed, stopped or switched. A switch not made yet leads to a
+        rendezvous first, paused or not: another worker may be waiting there already, having read the
+        switch before the pause (or the other way round); a paused run pauses again after the switch.
         """
         control, interval = self._agree(self.poller.latest())
-        if control.paused and not control.stop:
+        while True:
+            if control.switch_id > self.applied_switch and not control.stop:
+                decision = self._rendezvous(at_end=False)
+                if decision.stop:
+                    raise _StopRequested
+                if decision.switch is not None:
+                    # The rest (a pause, an lr) is applied at the agreement right after the switch.
+                    self.pending, self.switch_at = decision.switch, decision.target_step
+                    return interval
+            if not control.paused or control.stop:
+                break
             self.sender.event("paused", step=self.step)
-            while control.paused and not control.stop:
+            while control.paused and not control.stop and control.switch_id <= self.applied_switch:
                 control, interval = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S))
-            if not control.stop:
+            if not control.paused and not control.stop:
                 self.sender.event("resumed", step=self.step)
         if control.stop:
             raise _StopRequested
@@ -281,12 +298,6 @@ class _Loop:
                 interval = self.strategy.control_alignment()
         if changes:
             self.sender.event("changed", step=self.step, strategy=self.strategy.name, **changes)
-        if control.switch_id > self.applied_switch:
-            decision = self._rendezvous(at_end=False)
-            if decision.stop:
-                raise _StopRequested
-            if decision.switch is not None:
-                self.pending, self.switch_at = decision.switch, decision.target_step
         return interval
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:

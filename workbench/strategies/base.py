@@ -97,6 +97,11 @@ class Strategy:
         (equal already under `allreduce`, drifted apart under `average`).
         """
         state = flat_optimizer_state(context.optimizer)
+        # The ranks' states may differ in shape (one rank saw no gradient for some parameter yet):
+        # agree on the layout first, so that every rank makes the same collectives.
+        layout = {key: value.numel() if isinstance(value, torch.Tensor) else "scalar" for key, value in state.items()}
+        if any(other != layout for other in collectives.all_gather_json(layout)):
+            state = {}  # no common state: the next optimizer starts fresh
         tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
         if tensors:
             vector = flatten(tensors)

@@ -109,15 +109,6 @@ class _ServerStrategy(Strategy):
             raise ConfigError("shards", settings.shards, f"at most {world_size}, the run's workers",
                               "Use fewer shards or more workers")
 
-    def carry_in(self, context: TrainingContext, carried: Carried) -> None:
-        super().carry_in(context, carried)
-        # The job's optimizer runs on the server here: it starts with the state the workers had.
-        self.carried_optimizer_state = carried.optimizer_state
-
-    def carry_out(self, context: TrainingContext) -> Carried:
-        # After `finish` every worker holds the server's weights; the optimizer state lives on the server.
-        return Carried(flatten(self.parameters), self.server.optimizer_state())
-
     def _start_server(self, context: TrainingContext) -> ServerHandle:
         """Rank 0 creates the shards from its current weights (equal on every rank at this point)."""
         job = context.job
@@ -125,7 +116,7 @@ class _ServerStrategy(Strategy):
         return start_parameter_server(get_client(), context.run_id, context.addresses,
                                       flatten(list(context.model.parameters())), server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
-                                      getattr(self, "carried_optimizer_state", None))
+                                      self._server_optimizer_state())
 
     def setup(self, context: TrainingContext) -> None:
         # Started here rather than by the client, so a live switch can start one from the weights of the
@@ -178,6 +169,10 @@ class _ServerStrategy(Strategy):
             if not self.settings.overlap:
                 report = _merge(report, self._collect(block=True))
         return report
+
+    def _server_optimizer_state(self) -> dict[str, Any] | None:
+        """The optimizer state a new server starts with (None: a fresh optimizer)."""
+        return None
 
     def _send_every(self) -> int:
         """Steps between exchanges with the server."""
@@ -260,7 +255,28 @@ class AsyncSGD(_ServerStrategy):
         self.accumulated, self.views = self.buffers[0], self.buffer_views[0]
         self.velocity = torch.zeros(self.numel) if self.worker_momentum else None
         self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
+        carried = getattr(self, "carried_optimizer_state", {})
+        if self.worker_momentum and "momentum_buffer" in carried:
+            self.velocity.copy_(carried["momentum_buffer"])
         self.steps_since_fetch = 0
+
+    # The job's optimizer runs on the server here (or, for sparse pushes with SGD momentum, its momentum
+    # on the workers): that is where optimizer state comes from and goes to at a switch.
+
+    def carry_in(self, context: TrainingContext, carried: Carried) -> None:
+        unflatten_into(carried.weights, [p.data for p in context.model.parameters()])
+        self.carried_optimizer_state = carried.optimizer_state  # for the server (or the velocity)
+
+    def _server_optimizer_state(self) -> dict[str, Any] | None:
+        return None if self.worker_momentum else getattr(self, "carried_optimizer_state", None)
+
+    def carry_out(self, context: TrainingContext) -> Carried:
+        # After `finish` every worker holds the server's weights.
+        if self.worker_momentum:
+            velocity = self.velocity.clone()
+            collectives.all_reduce_mean(velocity)  # every rank has a velocity of the same size
+            return Carried(flatten(self.parameters), {"momentum_buffer": velocity})
+        return Carried(flatten(self.parameters), self.server.optimizer_state())
 
     def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
         # As in Downpour SGD, steps between fetches are plain SGD on the local copy; the job's optimizer
