@@ -112,3 +112,20 @@ def test_a_run_displays_as_its_panel_and_compare_builds(client, run_dir):
     assert [line.labels[0] for line in loss_lines] == ["allreduce", "async"]
     assert all(len(line.y) > 0 and np.isfinite(line.y).all() for line in loss_lines)
     runs[0]._panel.close()
+
+
+def test_a_panel_of_an_unstarted_run_offers_only_start_and_refuses_a_too_fast_refresh():
+    run = workbench.train(digits_job(), "ssp", max_staleness=1, start=False)  # no cluster needed yet
+    with pytest.raises(workbench.ConfigError, match="refresh_s"):
+        ControlPanel(run, refresh_s=0.05)
+    panel = ControlPanel(run)
+    try:
+        assert not panel.start_button.disabled and panel.start_button.description == "Start"
+        assert all(w.disabled for w in (panel.pause_button, panel.resume_button, panel.stop_button,
+                                        panel.switch_button, panel.lr_slider, panel.period_slider))
+        assert panel.strategy_dropdown.value == "ssp" and panel.setting_widgets["max_staleness"].value == 1
+        assert panel.period_slider.description == "push_every"
+        assert "new run" in panel.title.value and "created" in panel.title.value
+        assert sorted(panel.strategy_dropdown.options) == sorted(workbench.STRATEGIES)
+    finally:
+        panel.close()
