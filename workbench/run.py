@@ -108,6 +108,7 @@ class Run:
         self._events = threading.Condition()
         self._supervisor: threading.Thread | None = None
         self._prepared: PreparedJob | None = None
+        self._panel: Any = None  # the notebook control panel, made when the run is first displayed
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -508,7 +509,7 @@ class Run:
             control_panel = importlib.import_module("widgets.control_panel")
         except ImportError:
             return {"text/plain": repr(self)}
-        if getattr(self, "_panel", None) is None:
+        if self._panel is None:
             self._panel = control_panel.ControlPanel(self)
         return self._panel._repr_mimebundle_(include=include, exclude=exclude)
 
