@@ -1,7 +1,6 @@
 """The parameter-server strategies on a real 2-process cluster: actors, staleness, SSP, compression."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

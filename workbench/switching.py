@@ -51,6 +51,7 @@ class Decision:
     switch: SwitchRequest | None  # made by all workers once they reach `target_step`
     target_step: int
     all_at_end: bool
+    newest: dict[str, Any]  # the newest control state any worker had read
 
     @property
     def finished(self) -> bool:
@@ -68,4 +69,4 @@ def decide(positions: list[Position], applied_switch_id: int) -> Decision:
     if not stop and newest.get("switch_id", 0) > applied_switch_id:
         switch = SwitchRequest(newest["switch_id"], newest["strategy"], dict(newest.get("settings", {})))
     return Decision(stop=stop, switch=switch, target_step=max(p.step for p in positions),
-                    all_at_end=all(p.at_end for p in positions))
+                    all_at_end=all(p.at_end for p in positions), newest=newest)

@@ -180,9 +180,8 @@ class _Loop:
         position = Position(self.step, at_end, stopping, newest.to_message())
         positions = [Position.from_message(m) for m in collectives.all_gather_json(position.to_message())]
         decision = decide(positions, self.applied_switch)
-        newest = max((p.control for p in positions), key=lambda control: control["version"])
-        if newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
-            self.control = ControlState.from_message(newest)
+        if decision.newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
+            self.control = ControlState.from_message(decision.newest)
         return decision
 
     def _meet_at_end(self, stopped: bool) -> None:
