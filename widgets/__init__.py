@@ -1,5 +1,5 @@
-"""User interfaces of the workbench: the notebook control panel (ipywidgets) and, later, the team
-dashboard (Panel).
+"""User interfaces of the workbench: the notebook control panel (ipywidgets) and the team dashboard
+(Panel, in `widgets.dashboard`, imported on demand).
 
 This layer imports `workbench`, never the reverse: a `workbench.Run` shown in a notebook looks up
 `widgets.ControlPanel` by name at display time.

@@ -1,10 +1,12 @@
-"""The `workbench` command: `workbench train ...` runs a job with a live progress bar and a summary.
+"""The `workbench` command: `workbench train ...` runs a job with a live progress bar and a summary;
+`workbench dashboard ...` serves the team dashboard (from the UI layer, `widgets.dashboard`).
 
 Bad arguments end with a one-line message and a non-zero exit code, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from typing import Any
@@ -58,10 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scheduler", default=None, metavar="ADDRESS", help="train on an existing cluster")
     run.add_argument("--run-dir", default="runs", help="where the run's directory is created")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    commands.add_parser("dashboard", add_help=False,
+                        help="serve the team dashboard of a cluster (workbench dashboard --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["dashboard"]:
+        # The dashboard lives in the UI layer, imported only when asked for: the engine imports no UI.
+        try:
+            dashboard = importlib.import_module("widgets.dashboard.serve")
+        except ImportError as error:
+            print(f"workbench dashboard: needs the UI extra (pip install 'training-workbench[ui]'): {error}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        return dashboard.main(argv[1:])
     parser = build_parser()
     arguments = parser.parse_args(argv)  # argparse prints a one-line usage error and exits 2
     try:

@@ -79,9 +79,15 @@ class MetricsTable:
         self._staleness_counts: collections.Counter = collections.Counter()
         self._recent_staleness: collections.deque[int] = collections.deque(maxlen=64)
         self._worker_state: dict[int, dict[str, Any]] = {}
+        self._loss_by_second: dict[int, list[float]] = {}  # second -> [loss sum, records]
+        self._staleness_by_second: dict[int, list[float]] = {}  # second -> [staleness sum, pushes]
+        self._divergence_by_step: dict[int, list[float]] = {}  # step -> [divergence sum, workers]
+        self._per_worker: dict[int, dict[str, Any]] = collections.defaultdict(_worker_totals)
+        self.version = 0  # grows with every add, so a viewer can tell whether anything changed
 
     def add(self, records: Iterable[dict[str, Any]]) -> None:
         with self._lock:
+            self.version += 1
             for record in records:
                 if record.get("kind") == "step":
                     self._steps.append(record)
@@ -97,10 +103,26 @@ class MetricsTable:
         entry[0] += record["loss"]
         entry[1] += 1
         self._samples_by_second[int(record["time"])][record["worker"]] += record["samples"]
+        second = int(record["time"])
+        _accumulate(self._loss_by_second, second, record["loss"])
+        totals = self._per_worker[record["worker"]]
+        for part in ("compute_s", "comm_s", "wait_s"):
+            totals[part] += record.get(part) or 0.0
         staleness = record.get("staleness")
         if staleness is not None:
             self._staleness_counts[int(staleness)] += 1
             self._recent_staleness.append(int(staleness))
+            _accumulate(self._staleness_by_second, second, staleness)
+            totals["pushes"] += 1
+            totals["staleness_sum"] += staleness
+            totals["staleness_max"] = max(totals["staleness_max"], int(staleness))
+            totals["staleness"] = int(staleness)
+        if record.get("divergence") is not None:
+            _accumulate(self._divergence_by_step, record["step"], record["divergence"])
+            totals["divergence"] = record["divergence"]
+        for field in ("steps_since_sync", "gpu_memory_mb", "gpu_utilization"):
+            if record.get(field) is not None:
+                totals[field] = record[field]
 
     def _follow_worker(self, record: dict[str, Any]) -> None:
         state = WORKER_STATES.get(record.get("kind"))
@@ -111,16 +133,17 @@ class MetricsTable:
             if record.get("address"):
                 entry["address"] = record["address"]
 
-    def live_view(self, max_points: int = 400) -> dict[str, Any]:
+    def live_view(self, max_points: int = 400, history_s: int | None = None) -> dict[str, Any]:
         """What a live view draws, from running aggregates: loss per step (mean over workers, at most
         `max_points` points), samples/s per second of wall time in total and per worker (the last
-        THROUGHPUT_HISTORY_S seconds), staleness
+        `history_s` seconds, default THROUGHPUT_HISTORY_S), staleness
         (recent mean, histogram), and each worker's state, step and last-seen time."""
+        history_s = THROUGHPUT_HISTORY_S if history_s is None else history_s
         with self._lock:
             steps = sorted(self._loss_by_step)
             losses = [self._loss_by_step[s][0] / self._loss_by_step[s][1] for s in steps]
-            # The last THROUGHPUT_HISTORY_S seconds; the newest one is still filling up.
-            seconds = sorted(self._samples_by_second)[-THROUGHPUT_HISTORY_S - 1:-1]
+            # The last `history_s` seconds; the newest one is still filling up.
+            seconds = sorted(self._samples_by_second)[-history_s - 1:-1]
             origin = min(self._samples_by_second, default=0)  # times count from the run's first step
             workers = sorted({w for c in self._samples_by_second.values() for w in c} | set(self._worker_state))
             per_worker = {w: [self._samples_by_second[t][w] for t in seconds] for w in workers}
@@ -128,21 +151,42 @@ class MetricsTable:
             recent = list(self._recent_staleness)
             latest = dict(self._latest)
             states = {w: dict(v) for w, v in self._worker_state.items()}
+            totals = {w: dict(v) for w, v in self._per_worker.items()}
+            loss_time = _means(self._loss_by_second)
+            staleness_time = _means(self._staleness_by_second)
+            divergence = _means(self._divergence_by_step)
+            evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
+                           for r in self._other if r.get("kind") == "eval"]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
         for worker in workers:
             last = latest.get(worker, {})
+            own = totals.get(worker, {})
             table.append({"worker": worker, "state": states.get(worker, {}).get("state", "starting"),
                           "step": last.get("step"), "address": states.get(worker, {}).get("address", ""),
-                          "last_seen_s": now - last["time"] if last else None})
+                          "last_seen_s": now - last["time"] if last else None,
+                          **{field: own.get(field) for field in WORKER_GAUGES}})
+        total = [sum(values) for values in zip(*per_worker.values())] if per_worker else []
+        time_axis = [t - origin for t in seconds]
+        if len(time_axis) > max_points:  # long histories (dashboards ask for the whole run) are thinned
+            per_worker = {w: downsample(time_axis, values, max_points)[1] for w, values in per_worker.items()}
+            time_axis, total = downsample(time_axis, total, max_points)
         return {
+            "origin": origin,
             "loss": {"step": step_axis, "loss": loss_axis},
-            "throughput": {"time": [t - origin for t in seconds],
-                           "total": [sum(values) for values in zip(*per_worker.values())] if per_worker else [],
-                           "per_worker": per_worker},
+            "loss_time": _axis(loss_time, origin, max_points, "loss"),
+            "evaluations": evaluations,
+            "throughput": {"time": time_axis, "total": total, "per_worker": per_worker},
             "staleness": {"recent_mean": sum(recent) / len(recent) if recent else None,
-                          "max": max(histogram) if histogram else None, "histogram": histogram},
+                          "max": max(histogram) if histogram else None, "histogram": histogram,
+                          "over_time": _axis(staleness_time, origin, max_points, "staleness"),
+                          "per_worker": {w: {"pushes": t["pushes"], "last": t.get("staleness"),
+                                             "mean": t["staleness_sum"] / t["pushes"], "max": t["staleness_max"]}
+                                         for w, t in totals.items() if t["pushes"]}},
+            "divergence": dict(zip(("step", "divergence"), downsample(*zip(*divergence), max_points)))
+            if divergence else {"step": [], "divergence": []},
+            "time_split": {w: _fractions(t) for w, t in totals.items()},
             "workers": table,
         }
 
@@ -176,7 +220,37 @@ class MetricsTable:
         return throughput(records)
 
 
-THROUGHPUT_HISTORY_S = 300  # seconds of throughput history a live view shows
+THROUGHPUT_HISTORY_S = 300  # seconds of throughput history a live view shows by default
+
+# The latest value of these per-worker fields is shown in worker tables (averaging and GPU gauges).
+WORKER_GAUGES = ("staleness", "steps_since_sync", "divergence", "gpu_memory_mb", "gpu_utilization")
+
+
+def _worker_totals() -> dict[str, Any]:
+    return {"compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "pushes": 0, "staleness_sum": 0.0, "staleness_max": 0}
+
+
+def _accumulate(buckets: dict[int, list[float]], key: int, value: float) -> None:
+    entry = buckets.setdefault(key, [0.0, 0])
+    entry[0] += value
+    entry[1] += 1
+
+
+def _means(buckets: dict[int, list[float]]) -> list[tuple[int, float]]:
+    return [(key, buckets[key][0] / buckets[key][1]) for key in sorted(buckets)]
+
+
+def _axis(points: list[tuple[int, float]], origin: float, max_points: int, name: str) -> dict[str, list[float]]:
+    """Per-second means as {'time': seconds since `origin`, name: values}, at most `max_points` points."""
+    if not points:
+        return {"time": [], name: []}
+    times, values = downsample([t - origin for t, _ in points], [v for _, v in points], max_points)
+    return {"time": times, name: values}
+
+
+def _fractions(totals: dict[str, Any]) -> dict[str, float]:
+    whole = (totals["compute_s"] + totals["comm_s"] + totals["wait_s"]) or 1.0
+    return {part: totals[f"{part}_s"] / whole for part in ("compute", "comm", "wait")}
 
 # Worker lifecycle events and the state each leaves the worker in.
 WORKER_STATES = {"worker-started": "running", "paused": "paused", "resumed": "running",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import getpass
 import importlib
+import json
 import threading
 import time
 import traceback
@@ -28,6 +30,7 @@ from .evaluation import evaluate
 from .job import Job, PreparedJob, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
+from .registry import RUNS_TOPIC, requests_topic
 from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
 from .sharding import assign_blocks, shard_size
 from .strategies import get_strategy, make_settings
@@ -66,17 +69,19 @@ class FutureWatch:
 
 def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
           run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
-          start: bool = True, **settings: Any) -> Run:
+          start: bool = True, owner: str | None = None, **settings: Any) -> Run:
     """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
 
     strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
     workers: how many of the cluster's workers train (default: all).
     run_dir: parent directory of the run's own directory (config, metrics, weights).
     start: False returns the run unstarted, for `run.start()` later (or the panel's Start button).
+    owner: who the run belongs to (default: the operating-system user); on a team dashboard with
+    authentication, this user and the listed admins may control the run.
     In a notebook the run displays as its control panel.
     """
     run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
-              collective_timeout_s=collective_timeout_s, settings=settings)
+              collective_timeout_s=collective_timeout_s, settings=settings, owner=owner)
     if start:
         run.start()
     return run
@@ -87,7 +92,11 @@ class Run:
 
     def __init__(self, job: Job, strategy: str, *, client: Client | None, workers: int | None,
                  run_dir: str | Path, name: str | None, collective_timeout_s: float,
-                 settings: dict[str, Any], step_delays: dict[int, float] | None = None) -> None:
+                 settings: dict[str, Any], step_delays: dict[int, float] | None = None,
+                 owner: str | None = None) -> None:
+        if owner is not None and (not isinstance(owner, str) or not owner.strip()):
+            raise ConfigError("owner", owner, "a non-empty user name, or None for the operating-system user")
+        self.owner = owner or _system_user()
         self.job = job
         self.strategy = strategy
         self._requested_workers = workers
@@ -141,13 +150,14 @@ class Run:
             "job": prepared.job.describe(), "workers": addresses, "world_size": world_size,
             "shard_samples": shard_samples, "total_steps": self.total_steps,
             "parameters": prepared.n_parameters, "scheduler": client.scheduler.address,
-            "started": time.time(),
+            "started": time.time(), "owner": self.owner, "directory": str(self.directory.path.resolve()),
         }
         self.directory.write_json(CONFIG_FILE, self.config)
         self.directory.append([{"kind": "run-started", "time": time.time(), "strategy": self.strategy,
                                 "settings": dataclasses.asdict(settings)}])
 
         client.subscribe_topic(topic(self.run_id), self._on_message)
+        client.subscribe_topic(requests_topic(self.run_id), self._on_request)
         self._control = ControlWriter(client, self.run_id, ControlState(
             lr=self.job.lr, strategy=self.strategy, settings=dataclasses.asdict(settings)))
         # Every run has a process group (see worker.py), on a port free on rank 0's machine.
@@ -169,6 +179,7 @@ class Run:
                 pure=False, retries=0,
             ))
         self.status = "running"
+        self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
         self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
         self._supervisor.start()
 
@@ -268,10 +279,11 @@ class Run:
                     self._state_dict = result["state_dict"]
         with self._events:  # the workers' last metrics may trail their results by a moment
             self._events.wait_for(lambda: len(self._finished_workers) >= len(futures), timeout=5)
-        try:
-            self.client.unsubscribe_topic(topic(self.run_id))
-        except Exception:
-            pass
+        for name in (topic(self.run_id), requests_topic(self.run_id)):
+            try:
+                self.client.unsubscribe_topic(name)
+            except Exception:
+                pass
         self._control.delete()
         if errors:
             self.error = "\n".join(errors)
@@ -282,8 +294,49 @@ class Run:
             if self._state_dict is not None:
                 self.directory.save_model(self._state_dict)
         self.directory.append([{"kind": f"run-{self.status}", "time": time.time(), "error": self.error}])
-        self.directory.write_json(SUMMARY_FILE, self.summary())
+        summary = self.summary()
+        self.directory.write_json(SUMMARY_FILE, summary)
         self.directory.close()
+        self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
+
+    # --- the cluster-wide registry and requests from other clients ------------------------------------
+
+    def _announce(self, kind: str, **fields: Any) -> None:
+        """Tell every client on the cluster (the team dashboard) about this run: registered, or a new status."""
+        message = {"kind": kind, "run_id": self.run_id, "status": self.status, "strategy": self.strategy,
+                   "time": time.time(), **fields}
+        try:
+            self.client.log_event(RUNS_TOPIC, message)
+        except Exception:  # the scheduler may be gone at shutdown; the run directory still has everything
+            pass
+
+    def _on_request(self, event: tuple[float, dict[str, Any]]) -> None:
+        # On the client's IO-loop thread, where the blocking control calls must not run.
+        threading.Thread(target=self._carry_out, args=(event[1],), name=f"workbench-request-{self.run_id}",
+                         daemon=True).start()
+
+    def _carry_out(self, request: dict[str, Any]) -> None:
+        """Carry out another client's control request with the public methods, and publish the outcome
+        (on the run's metrics topic, so it lands in the run directory and in every viewer)."""
+        action, arguments = request.get("action"), dict(request.get("arguments") or {})
+        try:
+            if action in ("pause", "resume", "stop"):
+                getattr(self, action)()
+            elif action == "set_lr":
+                self.set_lr(arguments.get("lr"))
+            elif action == "switch":
+                self.switch(arguments.get("strategy"), **(arguments.get("settings") or {}))
+            else:
+                raise ConfigError("action", action, "pause, resume, stop, set_lr or switch")
+            outcome: dict[str, Any] = {"ok": True, "error": None}
+        except Exception as error:
+            outcome = {"ok": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
+        message = {"kind": "control-request", "time": time.time(), "action": action, "arguments": arguments,
+                   "by": request.get("by"), "request_id": request.get("request_id"), **outcome}
+        try:
+            self.client.log_event(topic(self.run_id), message)
+        except Exception:
+            self._on_message((time.time(), message))
 
     # --- public API -----------------------------------------------------------------------------------
 
@@ -345,6 +398,7 @@ class Run:
         if not self.done:
             self._control.update(paused=True)
             self.status = "paused"
+            self._announce("run-status")
 
     def resume(self) -> None:
         if self.status == "created":
@@ -352,6 +406,7 @@ class Run:
         if not self.done:
             self._control.update(paused=False)
             self.status = "running"
+            self._announce("run-status")
 
     def stop(self) -> None:
         """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
@@ -397,6 +452,7 @@ class Run:
         self.strategy = strategy
         self.directory.append([{"kind": "control", "time": time.time(), "switch_id": state.switch_id,
                                 "strategy": strategy, "settings": dataclasses.asdict(validated)}])
+        self._announce("run-status", settings=dataclasses.asdict(validated))
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -516,3 +572,10 @@ class Run:
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "
                 f"workers={len(self.worker_addresses)} progress={self.progress():.0%}>")
+
+
+def _system_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in the environment (some containers)
+        return "unknown"

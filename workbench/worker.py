@@ -95,6 +95,7 @@ class _Loop:
         self.epoch = 0
         self.joined_group = False
         self._recent_step_s = 0.0  # moving average of step time, for the control interval
+        self._gpu = GpuGauge()
         self.control = ControlState(lr=task.job.lr, strategy=task.strategy,
                                     settings=dataclasses.asdict(task.settings))
         self.applied_switch = 0  # switches made so far (the same on every rank)
@@ -249,6 +250,8 @@ class _Loop:
         }
         # Strategy-specific fields: steps_since_sync, divergence, staleness, bytes_sent, clock, ...
         record.update({k: v for k, v in after_step.items() if k not in ("comm_s", "wait_s")})
+        if device.type == "cuda":
+            record.update(self._gpu.sample(device))
         self.sender.record(record)
         self.step += 1
 
@@ -344,3 +347,23 @@ def _configure_worker_for_training(worker: Any) -> None:
                 callback.stop()
 
     worker.loop.add_callback(stop_profiler)
+
+
+class GpuGauge:
+    """GPU memory and utilisation for the step records, read at most once a second (NVML is not free)."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self._interval_s = interval_s
+        self._next = 0.0
+        self._last: dict[str, float] = {}
+
+    def sample(self, device: torch.device) -> dict[str, float]:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self._interval_s
+            self._last = {"gpu_memory_mb": torch.cuda.memory_allocated(device) / 2**20}
+            try:
+                self._last["gpu_utilization"] = float(torch.cuda.utilization(device))
+            except Exception:  # no NVML binding on this machine: memory only
+                pass
+        return dict(self._last)

@@ -1,0 +1,202 @@
+"""The team dashboard served for real: `workbench dashboard` in its own process against the test cluster,
+loaded in headless Chromium (Debian's package, driven by Playwright), while runs train.
+
+Screenshots land in `test-artifacts/` at the repository root.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect
+
+import workbench
+from workbench.metrics import topic
+from workbench.rundir import read_metrics
+from widgets.dashboard.serve import free_port
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+COUNT = "() => {{ const s = Bokeh.documents[0].get_model_by_name('{name}'); return s ? s.data['{column}'].length : -1 }}"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (or set WORKBENCH_CHROMIUM)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def served(client, runs_dir, *options):
+    """`workbench dashboard` in a child process; yields its URL once it answers; always stopped."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workbench", "dashboard", "--scheduler", client.scheduler.address, "--port", str(port),
+         "--runs-dir", str(runs_dir), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, f"the dashboard exited: {process.stdout.read()}"
+            try:
+                urllib.request.urlopen(url + "login" if "--basic-auth" in options else url, timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "the dashboard did not answer within 60 s"
+                time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+def open_dashboard(browser, url, run_id, user=None, password=None):
+    """A page of the dashboard in a fresh browser context (its own cookies: one signed-in user)."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(url)
+    if user:
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", password)
+        page.keyboard.press("Enter")
+    page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
+    # Panel renders into shadow roots: Playwright's locators look inside them, document.body.innerText does not.
+    expect(page.get_by_text(run_id).first).to_be_visible(timeout=30_000)
+    return page
+
+
+def count(page, name, column):
+    return page.evaluate(COUNT.format(name=name, column=column))
+
+
+def long_job(**changes):
+    options = dict(model=workbench.mlp(64, 10), data="digits", lr=0.05, momentum=0.7, batch_size=8, epochs=1000,
+                   eval_every=100)
+    return workbench.Job(**{**options, **changes})
+
+
+def test_dashboard_follows_a_training_run_live_with_one_subscription(client, run_dir, browser):
+    run = workbench.train(long_job(), "async", client=client, run_dir=run_dir, owner="olivia")
+    try:
+        run.wait_for_step(20)
+        with served(client, run_dir) as url:
+            page = open_dashboard(browser, url, run.run_id)
+            # The plots hold data points, and more arrive while the run trains.
+            page.wait_for_function(f"() => ({COUNT.format(name='throughput', column='time')}) () >= 2"
+                                   f" && ({COUNT.format(name='staleness', column='time')}) () >= 2", timeout=30_000)
+            before = (count(page, "throughput", "time"), count(page, "staleness", "time"))
+            page.wait_for_function(
+                f"() => ({COUNT.format(name='throughput', column='time')}) () > {before[0]}"
+                f" && ({COUNT.format(name='staleness', column='time')}) () > {before[1]}", timeout=30_000)
+            assert count(page, "staleness-histogram", "pushes") >= 1
+            # The worker table lists every worker of the run, with its address.
+            rows = page.locator(".worker-table table tbody tr")
+            assert rows.count() == 2
+            for address in run.worker_addresses:
+                expect(page.locator(".worker-table table")).to_contain_text(address)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+            # More viewers share the dashboard's one subscription to the run.
+            others = [open_dashboard(browser, url, run.run_id) for _ in range(3)]
+            subscribers = client.run_on_scheduler(
+                lambda dask_scheduler, name=topic(run.run_id): len(dask_scheduler._broker._topics[name].subscribers))
+            assert subscribers == 2  # this test's client (the run's owner) and the dashboard's
+            for other in others + [page]:
+                other.context.close()
+    finally:
+        run.stop()
+        run.wait(120)
+
+
+def login_failed_or_blocked(url):
+    """What an anonymous client gets: the status of `/` without following redirects, and the final body."""
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    try:
+        status = urllib.request.build_opener(NoRedirect).open(url, timeout=10).status
+    except urllib.error.HTTPError as error:
+        status = error.code
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return status, body
+
+
+def test_sign_in_lets_viewers_watch_and_only_owners_and_admins_act(client, run_dir, browser, tmp_path):
+    credentials = tmp_path / "credentials.json"
+    credentials.write_text(json.dumps({"admin": "admin-pass", "victor": "viewer-pass", "olivia": "owner-pass"}))
+    run = workbench.train(long_job(), "average", client=client, run_dir=run_dir, owner="olivia", period=4)
+    try:
+        run.wait_for_step(10)
+        with served(client, run_dir, "--basic-auth", str(credentials), "--admins", "admin",
+                    "--cookie-secret", "test-secret") as url:
+            status, body = login_failed_or_blocked(url)
+            assert status in (302, 303, 401, 403)
+            assert run.run_id not in body and "Bokeh.documents" not in body and "password" in body.lower()
+
+            page = open_dashboard(browser, url, run.run_id, "victor", "viewer-pass")
+            expect(page.get_by_text("your role: viewer")).to_be_visible()
+            stop = page.locator("button", has_text="Stop")
+            expect(stop).to_be_disabled()
+            stop.click(force=True)  # a disabled button: the browser sends nothing
+            # A crafted request: the page's own model made clickable again, then clicked. The server refuses.
+            page.evaluate("""() => { const doc = Bokeh.documents[0];
+                for (const model of doc.all_models) { if (model.label === 'Stop') model.disabled = false; } }""")
+            expect(stop).to_be_enabled()
+            stop.click()
+            expect(page.get_by_text("refused: stop needs")).to_be_visible(timeout=15_000)
+            step = run.table.last_steps()[0]["step"]
+            run.wait_for_step(step + 20)  # the run goes on
+            assert run.status == "running" and run.events("control-request") == []
+            page.context.close()
+
+            page = open_dashboard(browser, url, run.run_id, "admin", "admin-pass")
+            expect(page.get_by_text("your role: admin")).to_be_visible()
+            page.locator("button", has_text="Stop").click()
+            assert run.wait(60) == "stopped"
+            (request,) = run.events("control-request")
+            assert (request["action"], request["by"], request["ok"]) == ("stop", "admin", True)
+            expect(page.locator(".requests-table table")).to_contain_text("admin", timeout=15_000)
+            page.context.close()
+    finally:
+        run.stop()
+        run.wait(120)
+
+
+def test_restarted_dashboard_shows_the_finished_runs_full_history(client, run_dir, browser):
+    run = workbench.train(long_job(epochs=2, eval_every=50), "allreduce", client=client, run_dir=run_dir)
+    run.wait(120)
+    steps_on_disk = sum(1 for record in read_metrics(run.directory.path) if record.get("kind") == "step")
+    assert steps_on_disk == 2 * run.total_steps
+    for _ in range(2):  # the second time, a new process with nothing but the run directory and the cluster
+        with served(client, run_dir) as url:
+            page = open_dashboard(browser, url, run.run_id)
+            page.wait_for_function("() => (Bokeh.documents[0].get_model_by_name('clock').data.steps[0] || 0)"
+                                   f" === {steps_on_disk}", timeout=30_000)
+            assert count(page, "loss", "step") == run.total_steps  # every step, fewer than 400
+            assert count(page, "evaluations", "step") == len(run.evaluations)
+            expect(page.locator(".runs-table table")).to_contain_text("finished")
+            page.context.close()

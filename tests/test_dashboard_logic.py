@@ -1,0 +1,178 @@
+"""The dashboard's pure parts: roles, history stitching, rebuilding from run directories, the views'
+aggregates, control requests and the command's argument checks. No cluster, no browser."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from widgets.dashboard.access import Access, is_loopback, load_credentials, policy
+from widgets.dashboard.app import DashboardSession
+from widgets.dashboard.hub import Hub, RunFeed
+from workbench.errors import ConfigError
+from workbench.metrics import MetricsTable
+from workbench.registry import control_request
+
+
+def test_roles_without_sign_in_depend_on_the_listening_address():
+    local, public = policy(False, [], None), policy(False, [], "0.0.0.0")
+    assert local.role(None, "olivia") == "operator" and local.may_control(None, "olivia")
+    assert public.role(None, "olivia") == "viewer" and not public.may_control(None, "olivia")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("dashboard.example.org")
+
+
+def test_roles_with_sign_in_owner_admin_viewer_anonymous():
+    access = policy(True, ["admin", " root "], "0.0.0.0")
+    assert access.admins == frozenset({"admin", "root"})
+    assert access.role(None, "olivia") == "anonymous" and not access.may_control(None, "olivia")
+    assert access.role("victor", "olivia") == "viewer" and not access.may_control("victor", "olivia")
+    assert access.role("olivia", "olivia") == "owner" and access.may_control("olivia", "olivia")
+    assert access.role("admin", "olivia") == "admin" and access.may_control("admin", "olivia")
+    # Owning one run gives no say over another.
+    assert not access.may_control("olivia", "oscar")
+
+
+def test_credentials_file_is_checked(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"admin": "secret"}))
+    assert load_credentials(good) == {"admin": "secret"}
+    for name, text in [("list.json", "[1]"), ("empty.json", "{}"), ("blank.json", '{"admin": ""}'),
+                       ("broken.json", "{")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match="--basic-auth"):
+            load_credentials(tmp_path / name)
+    with pytest.raises(ConfigError, match="readable"):
+        load_credentials(tmp_path / "missing.json")
+
+
+def test_control_requests_have_a_checked_shape():
+    request = control_request("set_lr", "olivia", lr=0.1)
+    assert request["action"] == "set_lr" and request["by"] == "olivia" and request["arguments"] == {"lr": 0.1}
+    assert len(request["request_id"]) == 32
+    assert control_request("pause", None)["by"] == "anonymous"
+    with pytest.raises(ConfigError, match="action"):
+        control_request("delete", "olivia")
+    with pytest.raises(ConfigError, match="arguments"):
+        control_request("set_lr", "olivia", learning_rate=0.1)
+
+
+def _steps(worker, steps, start=1000.0):
+    return [{"kind": "step", "worker": worker, "step": s, "time": start + s, "samples": 8, "loss": 1.0 / (s + 1),
+             "compute_s": 0.01, "comm_s": 0.0, "wait_s": 0.0} for s in steps]
+
+
+def test_replay_stitches_history_and_live_records_without_gaps_or_repeats():
+    feed = RunFeed("r")
+    feed.start_buffering()
+    live = _steps(0, range(8, 12))
+    for record in live:  # arrive on the subscription while the history is read
+        feed.on_message((0.0, {"kind": "steps", "rank": 0, "records": [{k: v for k, v in record.items()
+                                                                         if k != "kind"}]}))
+    history = _steps(0, range(0, 10)) + _steps(0, range(5, 10))  # file, then an overlapping scheduler backlog
+    feed.replay(history)
+    steps = feed.table.steps()
+    assert list(steps["step"]) == list(range(12))
+    assert feed.table.steps_received == 12
+    # After the replay, messages go straight to the table.
+    feed.on_message((0.0, {"kind": "steps", "rank": 0, "records": [
+        {k: v for k, v in _steps(0, [12])[0].items() if k != "kind"}]}))
+    assert feed.table.steps_received == 13
+
+
+def test_views_aggregate_time_split_staleness_per_worker_and_divergence_exactly():
+    table = MetricsTable()
+    table.add([{"kind": "step", "worker": 0, "step": 0, "time": 10.0, "samples": 4, "loss": 2.0, "compute_s": 3.0,
+                "comm_s": 1.0, "wait_s": 0.0, "staleness": 1},
+               {"kind": "step", "worker": 0, "step": 1, "time": 11.0, "samples": 4, "loss": 1.0, "compute_s": 1.0,
+                "comm_s": 1.0, "wait_s": 2.0, "staleness": 3},
+               {"kind": "step", "worker": 1, "step": 0, "time": 10.5, "samples": 4, "loss": 4.0, "compute_s": 1.0,
+                "comm_s": 0.0, "wait_s": 0.0, "divergence": 0.5, "steps_since_sync": 0, "gpu_memory_mb": 12.5},
+               {"kind": "eval", "worker": 0, "step": 1, "time": 11.5, "loss": 0.7, "accuracy": 0.8}])
+    view = table.live_view(history_s=10**9)
+    assert view["time_split"][0] == {"compute": 4 / 8, "comm": 2 / 8, "wait": 2 / 8}
+    assert view["time_split"][1] == {"compute": 1.0, "comm": 0.0, "wait": 0.0}
+    assert view["staleness"]["per_worker"] == {0: {"pushes": 2, "last": 3, "mean": 2.0, "max": 3}}
+    assert view["staleness"]["over_time"] == {"time": [0, 1], "staleness": [1.0, 3.0]}
+    assert view["loss_time"] == {"time": [0, 1], "loss": [3.0, 1.0]}  # second 10: mean of 2.0 and 4.0
+    assert view["divergence"] == {"step": [0], "divergence": [0.5]}
+    rows = {row["worker"]: row for row in view["workers"]}
+    assert rows[1]["gpu_memory_mb"] == 12.5 and rows[1]["divergence"] == 0.5 and rows[0]["staleness"] == 3
+    assert view["evaluations"] == [{"step": 1, "time": 11.5, "loss": 0.7, "accuracy": 0.8, "final": None}]
+
+
+def _write_run(directory, run_id, owner, records, summary=None):
+    path = directory / run_id
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"run_id": run_id, "owner": owner, "strategy": "average",
+                                                  "world_size": 2, "started": 5.0, "workers": ["a", "b"]}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"torn')
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_hub_rebuilds_finished_and_crashed_runs_from_run_directories(tmp_path):
+    records = _steps(0, range(5)) + _steps(1, range(5)) + [
+        {"kind": "eval", "worker": 0, "step": 4, "time": 1004.5, "loss": 0.3, "accuracy": 0.91},
+        {"kind": "run-finished", "time": 1005.0}]
+    _write_run(tmp_path, "done", "olivia", records, {"status": "finished", "samples_per_s": 123.0})
+    _write_run(tmp_path, "crashed", "oscar", _steps(0, range(3)))
+    (tmp_path / "not-a-run").mkdir()
+    hub = Hub(None, tmp_path).start()
+    try:
+        assert {row["run"]: row["state"] for row in hub.runs()} == {"done": "finished", "crashed": "incomplete"}
+        done = hub.feed("done")
+        assert done.table.steps_received == 10  # every record, the torn last line skipped
+        row = next(r for r in hub.runs() if r["run"] == "done")
+        assert row["best_metric"] == 0.91 and row["samples_per_s"] == 123.0 and row["owner"] == "olivia"
+        assert done.view()["loss"]["step"] == [0, 1, 2, 3, 4]
+    finally:
+        hub.close()
+
+
+def test_session_refuses_control_on_the_server_for_viewers_and_ended_runs(tmp_path):
+    _write_run(tmp_path, "done", "olivia", _steps(0, range(3)), {"status": "finished"})
+    _write_run(tmp_path, "live", "olivia", _steps(0, range(3)))
+
+    class RecordingHub(Hub):
+        sent: list = []
+
+        def request(self, run_id, action, by, **arguments):
+            self.sent.append((run_id, action, by, arguments))
+            return "id"
+
+    hub = RecordingHub(None, tmp_path).start()
+    hub.feed("live").status = "running"
+    viewer = DashboardSession(hub, Access(sign_in=True, admins=frozenset({"admin"})), user="victor")
+    viewer.run_select.value = "live"
+    viewer.refresh()
+    assert viewer.stop_button.disabled
+    viewer.stop_button.disabled = False  # what a tampering browser can do
+    viewer.stop_button.clicks += 1
+    assert hub.sent == [] and "refused" in viewer.control_message.object
+    owner = DashboardSession(hub, Access(sign_in=True), user="olivia")
+    owner.run_select.value = "live"
+    assert owner.act("set_lr", lr=-1.0) is False and hub.sent == []
+    assert owner.act("switch", strategy="average", settings='{"period": 0}') is False and hub.sent == []
+    assert owner.act("set_lr", lr=0.02) and owner.act("switch", strategy="average", settings='{"period": 3}')
+    assert hub.sent == [("live", "set_lr", "olivia", {"lr": 0.02}),
+                        ("live", "switch", "olivia", {"strategy": "average", "settings": {"period": 3}})]
+    owner.run_select.value = "done"
+    assert owner.act("stop") is False and "ended" in owner.control_message.object
+    hub.close()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--port", "70000"], "--port=70000"),
+    (["--basic-auth", "/nonexistent.json"], "--basic-auth"),
+    (["--ssl-certfile", "cert.pem"], "--ssl-keyfile"),
+    (["--refresh-ms", "5"], "refresh_ms=5"),
+])
+def test_dashboard_command_refuses_bad_arguments_in_one_line(arguments, message):
+    result = subprocess.run([sys.executable, "-m", "workbench", "dashboard", "--scheduler", "tcp://127.0.0.1:9",
+                             *arguments], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1

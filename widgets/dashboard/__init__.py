@@ -1,0 +1,11 @@
+"""The team dashboard: a Panel app showing every run on a Dask cluster live, with history and roles.
+
+`workbench dashboard --scheduler ADDRESS` serves it in its own process; `serve_dashboard(client)` serves
+it from a notebook; `dashboard(client)` shows it inline. See `hub` (data), `app` (views), `access` (who
+may act) and `serve` (the command).
+"""
+from .access import Access
+from .hub import Hub, RunFeed
+from .serve import DashboardServer, dashboard, serve_dashboard
+
+__all__ = ["Access", "DashboardServer", "Hub", "RunFeed", "dashboard", "serve_dashboard"]

@@ -1,0 +1,317 @@
+"""The dashboard's one connection to a cluster: every run it knows of, and one subscription per run.
+
+A dashboard process holds one `Hub`, shared by every browser session: it follows the cluster-wide run
+registry, subscribes once to each live run's metrics topic, and rebuilds finished runs from their run
+directories, so sessions only read from it and their number costs the cluster nothing. A live run's
+history is stitched from its run directory (when this process can read it) and the scheduler's recent
+events, then continued from the subscription, without gaps or repeats. Workers the scheduler removes
+are marked lost in the runs they trained.
+
+Handlers of Dask events run on the client's event-loop thread and only store; anything slower (reading
+files, asking the scheduler) runs on the hub's own thread.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from workbench.metrics import MetricsTable, control_markers, expand, topic
+from workbench.registry import RUNS_TOPIC, send_control_request
+from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
+
+ENDED = ("finished", "stopped", "failed")
+WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
+MEMBERSHIP_TOPIC = "all"  # the scheduler's own topic: add-worker and remove-worker
+
+
+class RunFeed:
+    """What the dashboard knows of one run: its description, status and metrics table."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.info: dict[str, Any] = {"run_id": run_id}
+        self.status = "unknown"
+        self.summary: dict[str, Any] = {}
+        self.table = MetricsTable()
+        self.live = False  # subscribed to the run's metrics topic
+        self.registered = False  # announced on this cluster's registry
+        self.lost: dict[str, float] = {}  # worker address -> when the scheduler removed it
+        self._lock = threading.Lock()
+        self._buffering = False
+        self._pending: list[dict[str, Any]] = []
+        self._view: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        self._info_version = 0
+
+    # --- filling --------------------------------------------------------------------------------------
+
+    def describe(self, info: dict[str, Any], status: str | None = None) -> None:
+        with self._lock:
+            self.info.update({k: v for k, v in info.items() if k != "kind"})
+            if status and not (self.status in ENDED and status not in ENDED):  # an ended run stays ended
+                self.status = status
+            self._info_version += 1
+
+    def on_message(self, event: tuple[float, dict[str, Any]]) -> None:
+        """Subscription handler (client event-loop thread): store only."""
+        records = expand(event[1])
+        with self._lock:
+            if self._buffering:
+                self._pending.extend(records)
+                return
+        self.table.add(records)
+
+    def start_buffering(self) -> None:
+        """Hold what the subscription brings until the history is in; the history rebuilds the table."""
+        with self._lock:
+            self._buffering = True
+            self.table = MetricsTable()
+            self._view = None
+
+    def replay(self, records: list[dict[str, Any]]) -> None:
+        """Add the history (file and scheduler backlog, in order), then what arrived meanwhile, each
+        record once."""
+        seen = set()
+        history = []
+        for record in records:
+            key = _record_key(record)
+            if key not in seen:
+                seen.add(key)
+                history.append(record)
+        self.table.add(history)
+        with self._lock:
+            pending, self._pending, self._buffering = self._pending, [], False
+            self.table.add([r for r in pending if _record_key(r) not in seen])
+
+    def mark_lost(self, address: str, when: float) -> bool:
+        """Mark a worker of this run lost; True when it was one of this run's (and not yet ended)."""
+        if address not in self.info.get("workers", []) or self.status in ENDED:
+            return False
+        with self._lock:
+            self.lost[address] = when
+            self._info_version += 1
+        return True
+
+    # --- reading --------------------------------------------------------------------------------------
+
+    def row(self) -> dict[str, Any]:
+        """The run's line in the runs list."""
+        best = self.best_metric()
+        rate = self.table.throughput(5.0)["samples_per_s"] if self.status not in ENDED else None
+        if rate is None:
+            rate = self.summary.get("samples_per_s")
+        return {"run": self.run_id, "owner": self.info.get("owner", ""), "strategy": self.info.get("strategy", ""),
+                "state": self.status, "workers": self.info.get("world_size"), "started": self.info.get("started"),
+                "samples_per_s": rate, "best_metric": best[1] if best else None,
+                "metric": best[0] if best else ""}
+
+    def best_metric(self) -> tuple[str, float] | None:
+        """The best held-out accuracy (or, without one, the lowest held-out loss)."""
+        evaluations = self.table.events("eval")
+        accuracies = [e["accuracy"] for e in evaluations if e.get("accuracy") is not None]
+        if accuracies:
+            return "accuracy", max(accuracies)
+        losses = [e["loss"] for e in evaluations if e.get("loss") is not None]
+        return ("held-out loss", min(losses)) if losses else None
+
+    def view(self) -> dict[str, Any]:
+        """Everything the run's views draw, recomputed only when something arrived (shared by sessions)."""
+        key = (self.table.version, self._info_version)
+        cached = self._view
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        live = self.table.live_view(max_points=400, history_s=WHOLE_RUN_S)
+        origin = live["origin"]
+        markers = control_markers(self.table.events())
+        for marker in markers:
+            marker["elapsed"] = (marker["time"] - origin) if marker.get("time") and origin else None
+        for row in live["workers"]:
+            if row["address"] in self.lost:
+                row["state"] = "lost"
+        rate = self.table.throughput(5.0)
+        for row in live["workers"]:
+            row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
+        requests = [{k: r.get(k) for k in ("time", "action", "arguments", "by", "ok", "error", "request_id")}
+                    for r in self.table.events("control-request")]
+        view = {**live, "run_id": self.run_id, "status": self.status, "info": dict(self.info),
+                "markers": markers, "samples_per_s": rate["samples_per_s"], "requests": requests,
+                "steps_received": self.table.steps_received, "newest_time": _newest_time(self.table)}
+        self._view = (key, view)
+        return view
+
+
+class Hub:
+    """Every run on one cluster (and in one runs directory), shared by all of a dashboard's sessions."""
+
+    def __init__(self, client: Any, runs_dir: str | Path | None = None) -> None:
+        self.client = client
+        self.runs_dir = Path(runs_dir) if runs_dir is not None else None
+        self.feeds: dict[str, RunFeed] = {}
+        self.subscriptions: set[str] = set()  # topics this process subscribes to: one per live run
+        self._lock = threading.Lock()
+        self._work: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="workbench-dashboard-hub", daemon=True)
+
+    def start(self) -> Hub:
+        """Rebuild from the run directories, catch up with the registry, then follow it."""
+        if self.runs_dir is not None and self.runs_dir.is_dir():
+            for config in sorted(self.runs_dir.glob(f"*/{CONFIG_FILE}")):
+                self._load_directory(config.parent)
+        if self.client is not None:
+            self._subscribe(RUNS_TOPIC, lambda event: self._work.put(("registry", event[1])))
+            self._subscribe(MEMBERSHIP_TOPIC, lambda event: self._work.put(("membership", event)))
+            # The scheduler's recent registry messages: runs started before this process. Fold them
+            # first, so that only runs still live are followed.
+            for _, message in self.client.get_events(RUNS_TOPIC):
+                self._on_registry(message, follow=False)
+            with self._lock:
+                feeds = list(self.feeds.values())
+            for feed in feeds:
+                if feed.info.get("scheduler") and feed.registered and feed.status not in ENDED:
+                    self._follow(feed)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._work.put(("close", None))
+        if self.client is not None:
+            for name in list(self.subscriptions):
+                try:
+                    self.client.unsubscribe_topic(name)
+                except Exception:
+                    pass
+        self.subscriptions.clear()
+
+    # --- reading --------------------------------------------------------------------------------------
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The runs list, newest first."""
+        with self._lock:
+            feeds = list(self.feeds.values())
+        return sorted((feed.row() for feed in feeds), key=lambda row: row["started"] or 0, reverse=True)
+
+    def feed(self, run_id: str) -> RunFeed | None:
+        with self._lock:
+            return self.feeds.get(run_id)
+
+    def wait_for(self, condition: Any, timeout: float = 10.0) -> bool:
+        """Poll `condition()` until true (tests and callers that need a run to appear)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            self._closed.wait(0.05)
+        return True
+
+    def request(self, run_id: str, action: str, by: str | None, **arguments: Any) -> str:
+        """Send a control request to the run's owner. The caller has checked that `by` may."""
+        return send_control_request(self.client, run_id, action, by, **arguments)
+
+    # --- following ------------------------------------------------------------------------------------
+
+    def _subscribe(self, name: str, handler: Any) -> None:
+        self.client.subscribe_topic(name, handler)
+        self.subscriptions.add(name)
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            kind, payload = self._work.get()
+            try:
+                if kind == "registry":
+                    self._on_registry(payload)
+                elif kind == "membership":
+                    self._on_membership(*payload)
+            except Exception:  # one bad message must not stop the dashboard following the cluster
+                continue
+
+    def _feed_for(self, run_id: str) -> RunFeed:
+        with self._lock:
+            feed = self.feeds.get(run_id)
+            if feed is None:
+                feed = self.feeds[run_id] = RunFeed(run_id)
+            return feed
+
+    def _on_registry(self, message: dict[str, Any], follow: bool = True) -> None:
+        run_id = message.get("run_id")
+        if not run_id:
+            return
+        feed = self._feed_for(run_id)
+        if message.get("kind") == "run-registered":
+            feed.registered = True
+            feed.describe(message, message.get("status"))
+            if follow and feed.status not in ENDED:
+                self._follow(feed)
+        else:
+            fields = {k: message[k] for k in ("strategy", "settings") if k in message}
+            feed.describe(fields, message.get("status"))
+            if message.get("samples_per_s") is not None:
+                feed.summary.setdefault("samples_per_s", message["samples_per_s"])
+            if message.get("status") in ENDED:
+                self._unfollow(feed)
+
+    def _follow(self, feed: RunFeed) -> None:
+        """Subscribe once to a live run, then fill in its history (directory, then scheduler backlog)."""
+        name = topic(feed.run_id)
+        if feed.live or self.client is None:
+            return
+        feed.live = True
+        feed.start_buffering()
+        self._subscribe(name, feed.on_message)
+        history: list[dict[str, Any]] = []
+        directory = Path(feed.info.get("directory") or "")
+        if feed.info.get("directory") and (directory / CONFIG_FILE).is_file():
+            history.extend(read_metrics(directory))
+        for _, message in self.client.get_events(name):
+            history.extend(expand(message))
+        feed.replay(history)
+
+    def _unfollow(self, feed: RunFeed) -> None:
+        name = topic(feed.run_id)
+        if name in self.subscriptions:
+            try:
+                self.client.unsubscribe_topic(name)
+            except Exception:
+                pass
+            self.subscriptions.discard(name)
+        feed.live = False
+
+    def _on_membership(self, _when: float, message: dict[str, Any]) -> None:
+        if message.get("action") == "remove-worker" and message.get("worker"):
+            with self._lock:
+                feeds = list(self.feeds.values())
+            for feed in feeds:
+                feed.mark_lost(message["worker"], time.time())
+
+    def _load_directory(self, path: Path) -> None:
+        """A run from its directory: config, every metrics record, and the summary when it ended."""
+        try:
+            config = json.loads((path / CONFIG_FILE).read_text())
+            records = read_metrics(path)
+        except (OSError, json.JSONDecodeError):
+            return  # not a run directory, or one being written: the registry will bring it if live
+        summary: dict[str, Any] = {}
+        if (path / SUMMARY_FILE).is_file():
+            try:
+                summary = json.loads((path / SUMMARY_FILE).read_text())
+            except json.JSONDecodeError:
+                summary = {}
+        ends = [r["kind"][4:] for r in records if r.get("kind") in ("run-finished", "run-stopped", "run-failed")]
+        status = summary.get("status") or (ends[-1] if ends else "incomplete")
+        feed = self._feed_for(config.get("run_id", path.name))
+        feed.describe({**config, "directory": str(path.resolve())}, status)
+        feed.summary = summary
+        feed.table.add(records)
+
+
+def _record_key(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, default=str)
+
+
+def _newest_time(table: MetricsTable) -> float | None:
+    latest = table.last_steps()
+    return max((r["time"] for r in latest.values()), default=None)
