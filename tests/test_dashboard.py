@@ -45,20 +45,23 @@ def browser():
             browser.close()
 
 
-@contextlib.contextmanager
 def served(client, runs_dir, *options):
     """`workbench dashboard` in a child process; yields its URL once it answers; always stopped."""
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "workbench", "dashboard", "--scheduler", client.scheduler.address, "--port", str(port),
-         "--runs-dir", str(runs_dir), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}/"
+    return serving([sys.executable, "-m", "workbench", "dashboard", "--scheduler", client.scheduler.address,
+                    "--port", str(port), "--runs-dir", str(runs_dir), *options], port, "--basic-auth" in options)
+
+
+@contextlib.contextmanager
+def serving(command, port, sign_in=False, path=""):
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/{path}"
     try:
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, f"the dashboard exited: {process.stdout.read()}"
             try:
-                urllib.request.urlopen(url + "login" if "--basic-auth" in options else url, timeout=5)
+                urllib.request.urlopen(url + "login" if sign_in else url, timeout=5)
                 break
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, "the dashboard did not answer within 60 s"
@@ -83,8 +86,13 @@ def open_dashboard(browser, url, run_id, user=None, password=None):
         page.keyboard.press("Enter")
     page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
     # Panel renders into shadow roots: Playwright's locators look inside them, document.body.innerText does not.
-    expect(page.get_by_text(run_id).first).to_be_visible(timeout=30_000)
+    expect(page.get_by_role("combobox", name="Run", exact=True)).to_have_value(run_id, timeout=30_000)
     return page
+
+
+def open_tab(page, title):
+    """Only the open tab is in the page (the dashboard's tabs are dynamic)."""
+    page.locator(".bk-tab", has_text=title).first.click()
 
 
 def count(page, name, column):
@@ -179,6 +187,7 @@ def test_sign_in_lets_viewers_watch_and_only_owners_and_admins_act(client, run_d
             assert run.wait(60) == "stopped"
             (request,) = run.events("control-request")
             assert (request["action"], request["by"], request["ok"]) == ("stop", "admin", True)
+            open_tab(page, "Run details")
             expect(page.locator(".requests-table table")).to_contain_text("admin", timeout=15_000)
             page.context.close()
     finally:
@@ -197,6 +206,55 @@ def test_restarted_dashboard_shows_the_finished_runs_full_history(client, run_di
             page.wait_for_function("() => (Bokeh.documents[0].get_model_by_name('clock').data.steps[0] || 0)"
                                    f" === {steps_on_disk}", timeout=30_000)
             assert count(page, "loss", "step") == run.total_steps  # every step, fewer than 400
-            assert count(page, "evaluations", "step") == len(run.evaluations)
+            open_tab(page, "Run details")
+            page.wait_for_function(f"() => ({COUNT.format(name='evaluations', column='step')}) ()"
+                                   f" === {len(run.evaluations)}", timeout=15_000)
+            open_tab(page, "Runs")
             expect(page.locator(".runs-table table")).to_contain_text("finished")
             page.context.close()
+
+
+def test_another_client_controls_a_run_through_requests_and_bad_ones_are_answered(client, run_dir):
+    from distributed import Client
+
+    from workbench.registry import send_control_request
+
+    run = workbench.train(long_job(), "average", client=client, run_dir=run_dir, owner="olivia", period=4)
+    other = Client(client.scheduler.address, timeout=30)
+    try:
+        run.wait_for_step(10)
+        since = time.time()
+        send_control_request(other, run.run_id, "set_lr", "admin", lr=0.01)
+        (changed, _) = run.wait_for_event("changed", since, timeout=60)
+        assert changed["lr"] == 0.01
+        send_control_request(other, run.run_id, "set_lr", "admin", lr=-1.0)
+        send_control_request(other, run.run_id, "stop", "admin")
+        assert run.wait(60) == "stopped"
+        answers = run.events("control-request")
+        assert [(a["action"], a["by"], a["ok"]) for a in answers] == [
+            ("set_lr", "admin", True), ("set_lr", "admin", False), ("stop", "admin", True)]
+        assert "lr=-1.0" in answers[1]["error"]
+        # The answers are in the run directory too.
+        on_disk = [r for r in read_metrics(run.directory.path) if r.get("kind") == "control-request"]
+        assert [r["ok"] for r in on_disk] == [True, False, True]
+    finally:
+        other.close()
+        run.stop()
+        run.wait(120)
+
+
+def test_panel_serve_entry_point_serves_the_same_app(client, run_dir, browser):
+    run = workbench.train(long_job(epochs=1), "average", client=client, run_dir=run_dir, period=2)
+    run.wait(120)
+    app = subprocess.run([sys.executable, "-m", "widgets.dashboard", "--app-path"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    port = free_port()
+    command = [sys.executable, "-m", "panel", "serve", app, "--port", str(port), "--address", "127.0.0.1",
+               "--allow-websocket-origin", f"127.0.0.1:{port}", "--args", "--scheduler", client.scheduler.address,
+               "--runs-dir", str(run_dir)]
+    with serving(command, port, path="panel_app") as url:
+        page = open_dashboard(browser, url, run.run_id)
+        page.wait_for_function("() => (Bokeh.documents[0].get_model_by_name('clock').data.steps[0] || 0)"
+                               f" === {2 * run.total_steps}", timeout=30_000)
+        expect(page.get_by_text("view only")).to_be_visible()  # no sign-in and no --open-control
+        page.context.close()

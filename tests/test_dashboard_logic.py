@@ -176,3 +176,34 @@ def test_dashboard_command_refuses_bad_arguments_in_one_line(arguments, message)
                              *arguments], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_compare_view_overlays_runs_on_one_time_axis(tmp_path):
+    _write_run(tmp_path, "a", "olivia", _steps(0, range(4), start=1000.0), {"status": "finished"})
+    _write_run(tmp_path, "b", "olivia", _steps(0, range(6), start=5000.0), {"status": "finished"})
+    hub = Hub(None, tmp_path).start()
+    session = DashboardSession(hub, Access())
+    session.compare_select.value = ["a", "b"]
+    data = session.compare_sources["compare-loss"].data
+    assert data["run"] == ["a", "b"]
+    # Seconds since each run's first step: both start at 0 although they ran hours apart.
+    assert data["xs"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert data["ys"][1] == [1.0, 0.5, 1 / 3, 0.25, 0.2, 1 / 6]
+    assert list(session.compare_table.object["run"]) == ["a", "b"]
+    hub.close()
+
+
+def test_workers_the_scheduler_removes_show_as_lost_in_their_live_runs(tmp_path):
+    _write_run(tmp_path, "live", "olivia", [
+        {"kind": "worker-started", "worker": 0, "address": "a", "time": 999.0},
+        {"kind": "worker-started", "worker": 1, "address": "b", "time": 999.0}] + _steps(0, range(2)) + _steps(1, range(2)))
+    _write_run(tmp_path, "done", "olivia", [
+        {"kind": "worker-started", "worker": 0, "address": "a", "time": 999.0}], {"status": "finished"})
+    hub = Hub(None, tmp_path).start()
+    hub.feed("live").status = "running"
+    hub._on_membership(0.0, {"action": "remove-worker", "worker": "a"})
+    states = {row["address"]: row["state"] for row in hub.feed("live").view()["workers"]}
+    assert states == {"a": "lost", "b": "running"}
+    # A finished run keeps its workers' last state: losing the machine later is not its news.
+    assert [row["state"] for row in hub.feed("done").view()["workers"]] == ["running"]
+    hub.close()

@@ -11,6 +11,7 @@ import datetime
 import getpass
 import importlib
 import json
+import queue
 import threading
 import time
 import traceback
@@ -118,6 +119,7 @@ class Run:
         self._supervisor: threading.Thread | None = None
         self._prepared: PreparedJob | None = None
         self._panel: Any = None  # the notebook control panel, made when the run is first displayed
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # control requests from other clients
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class Run:
             ))
         self.status = "running"
         self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
+        threading.Thread(target=self._serve_requests, name=f"workbench-requests-{self.run_id}", daemon=True).start()
         self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
         self._supervisor.start()
 
@@ -298,6 +301,7 @@ class Run:
         self.directory.write_json(SUMMARY_FILE, summary)
         self.directory.close()
         self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
+        self._requests.put(None)
 
     # --- the cluster-wide registry and requests from other clients ------------------------------------
 
@@ -311,9 +315,13 @@ class Run:
             pass
 
     def _on_request(self, event: tuple[float, dict[str, Any]]) -> None:
-        # On the client's IO-loop thread, where the blocking control calls must not run.
-        threading.Thread(target=self._carry_out, args=(event[1],), name=f"workbench-request-{self.run_id}",
-                         daemon=True).start()
+        # On the client's IO-loop thread, where the blocking control calls must not run: one thread
+        # carries requests out in the order they came.
+        self._requests.put(event[1])
+
+    def _serve_requests(self) -> None:
+        while (request := self._requests.get()) is not None:
+            self._carry_out(request)
 
     def _carry_out(self, request: dict[str, Any]) -> None:
         """Carry out another client's control request with the public methods, and publish the outcome

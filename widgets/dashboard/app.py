@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import time
 from typing import Any
 
 import pandas as pd
@@ -47,6 +48,9 @@ class DashboardSession:
         self.user = user
         self.title = title
         self._shown: dict[str, Any] = {}  # what was last drawn, to send only changes
+        self._following_newest = True  # until the viewer picks a run, show the newest one
+        self._selecting = False  # the selection being changed by `refresh`, not by the viewer
+        self._sent: dict[str, Any] = {}  # per source or pane: what the browser has now
         self._build()
         self.refresh()
 
@@ -57,25 +61,29 @@ class DashboardSession:
         self.runs_table = pn.pane.DataFrame(pd.DataFrame(), index=False, sizing_mode="stretch_width",
                                             css_classes=["runs-table"], max_rows=50)
         self.run_select = pn.widgets.Select(label="Run", options=[], width=420)
-        self.run_select.param.watch(lambda _: self._draw_run(force=True), "value")
+        self.run_select.param.watch(self._on_pick, "value")
         self.status = pn.pane.Markdown("", sizing_mode="stretch_width")
         self._build_run_views()
         self._build_controls()
         self._build_compare()
-        run_tab = pn.Column(
-            pn.Row(self.run_select, self.status),
-            self.controls,
+        overview = pn.Column(
             pn.Row(self.throughput_plot, self.loss_step_plot, sizing_mode="stretch_width"),
             pn.Row(self.staleness_now, self.staleness_plot, self.histogram_plot, sizing_mode="stretch_width"),
-            pn.Row(self.loss_time_plot, self.evaluation_plot, sizing_mode="stretch_width"),
-            pn.Row(self.split_plot, self.divergence_plot, sizing_mode="stretch_width"),
             pn.pane.Markdown("#### Workers"), self.worker_table,
+            sizing_mode="stretch_width")
+        details = pn.Column(
+            pn.Row(self.loss_time_plot, self.evaluation_plot, self.evaluation_time_plot, sizing_mode="stretch_width"),
+            pn.Row(self.split_plot, self.divergence_plot, sizing_mode="stretch_width"),
             pn.pane.Markdown("#### Control requests"), self.requests_table,
             pn.pane.Markdown("#### Config"), self.config_view,
             sizing_mode="stretch_width")
-        self.tabs = pn.Tabs(("Runs", pn.Column(self.runs_table, sizing_mode="stretch_width")), ("Run", run_tab),
-                            ("Compare", self.compare_view), active=1, dynamic=False, sizing_mode="stretch_width")
-        self.layout = pn.Column(self.header, self.tabs, sizing_mode="stretch_width")
+        # Only the open tab is rendered in the browser (dynamic): every plot on screen is redrawn at each
+        # update, and with many viewers those redraws are the dashboard's main cost.
+        self.tabs = pn.Tabs(("Runs", pn.Column(self.runs_table, sizing_mode="stretch_width")),
+                            ("Run", overview), ("Run details", details), ("Compare", self.compare_view),
+                            active=1, dynamic=True, sizing_mode="stretch_width")
+        self.layout = pn.Column(self.header, pn.Row(self.run_select, self.status, sizing_mode="stretch_width"),
+                                self.controls, self.tabs, sizing_mode="stretch_width")
 
     def _build_run_views(self) -> None:
         self.sources = {name: ColumnDataSource(columns, name=name) for name, columns in {
@@ -84,7 +92,7 @@ class DashboardSession:
             "loss": {"step": [], "loss": []},
             "loss-time": {"time": [], "loss": []},
             "markers": {"step": [], "elapsed": [], "label": []},
-            "evaluations": {"step": [], "time": [], "value": []},
+            "evaluations": {"step": [], "elapsed": [], "value": []},
             "staleness": {"time": [], "staleness": []},
             "staleness-histogram": {"staleness": [], "pushes": []},
             "divergence": {"step": [], "divergence": []},
@@ -109,6 +117,11 @@ class DashboardSession:
         evaluation.line("step", "value", source=s["evaluations"], line_width=2, color="green")
         evaluation.scatter("step", "value", source=s["evaluations"], size=6, color="green")
         evaluation.vspan(x="step", source=s["markers"], line_color=MARKER_COLOUR, line_dash="dashed")
+        evaluation_time = _figure("Held-out metric by wall time", "seconds since start", "metric")
+        evaluation_time.line("elapsed", "value", source=s["evaluations"], line_width=2, color="green")
+        evaluation_time.scatter("elapsed", "value", source=s["evaluations"], size=6, color="green")
+        evaluation_time.vspan(x="elapsed", source=s["markers"], line_color=MARKER_COLOUR, line_dash="dashed")
+        self.evaluation_time_plot = pn.pane.Bokeh(evaluation_time, sizing_mode="stretch_width")
         staleness = _figure("Staleness (server versions, mean per second)", "seconds since start", "staleness")
         staleness.line("time", "staleness", source=s["staleness"], line_width=2, color="purple")
         histogram = _figure("Staleness histogram", "staleness", "pushes")
@@ -197,22 +210,33 @@ class DashboardSession:
             self._shown["ids"] = ids
             self.run_select.options = ids
             self.compare_select.options = ids
-            if self.run_select.value not in ids and ids:
-                self.run_select.value = ids[0]
+            if ids and (self._following_newest or self.run_select.value not in ids):
+                self._selecting = True
+                try:
+                    self.run_select.value = ids[0]
+                finally:
+                    self._selecting = False
         self._draw_run()
         self._draw_compare()
 
+    def _on_pick(self, _event: Any) -> None:
+        if not self._selecting:
+            self._following_newest = False
+        self._draw_run(force=True)
+
     def _draw_runs(self, rows: list[dict[str, Any]]) -> None:
+        # Rates of live runs change with every step: the list is redrawn at most once a second, and
+        # at once when a run comes or goes.
+        ids = [row["run"] for row in rows]
+        if not self._due("runs_table", 1.0, ids != self._shown.get("ids")):
+            return
         frame = pd.DataFrame([{
             "run": r["run"], "owner": r["owner"], "strategy": r["strategy"], "state": r["state"],
             "workers": r["workers"], "started": _when(r["started"]),
             "samples/s": round(r["samples_per_s"]) if r["samples_per_s"] is not None else None,
             "best metric": f"{r['metric']} {r['best_metric']:.4f}" if r["best_metric"] is not None else "",
         } for r in rows])
-        key = frame.to_json()
-        if key != self._shown.get("runs"):
-            self._shown["runs"] = key
-            self.runs_table.object = frame
+        self._show("runs_table", frame)
 
     def _draw_run(self, force: bool = False) -> None:
         feed = self.hub.feed(self.run_select.value) if self.run_select.value else None
@@ -221,50 +245,85 @@ class DashboardSession:
         view = feed.view()
         if not force and view is self._shown.get("view"):
             return
+        if force:
+            self._sent.clear()
         self._shown["view"] = view
-        s = self.sources
         throughput = view["throughput"]
-        s["throughput"].data = {"time": throughput["time"], "total": throughput["total"]}
+        self._send("throughput", {"time": throughput["time"], "total": throughput["total"]})
         workers = sorted(throughput["per_worker"])
-        s["throughput-workers"].data = {
+        self._send("throughput-workers", {
             "xs": [throughput["time"]] * len(workers), "ys": [throughput["per_worker"][w] for w in workers],
-            "worker": [f"worker {w}" for w in workers], "colour": [COLOURS[w % len(COLOURS)] for w in workers]}
-        s["loss"].data = dict(view["loss"])
-        s["loss-time"].data = dict(view["loss_time"])
+            "worker": [f"worker {w}" for w in workers], "colour": [COLOURS[w % len(COLOURS)] for w in workers]})
+        self._send("loss", dict(view["loss"]))
+        self._send("loss-time", dict(view["loss_time"]))
         markers = view["markers"]
-        s["markers"].data = {"step": [m["step"] for m in markers],
-                             "elapsed": [m["elapsed"] if m["elapsed"] is not None else float("nan") for m in markers],
-                             "label": [m["label"] for m in markers]}
+        self._send("markers", {
+            "step": [m["step"] for m in markers], "label": [m["label"] for m in markers],
+            "elapsed": [m["elapsed"] if m["elapsed"] is not None else float("nan") for m in markers]})
         evaluations = [e for e in view["evaluations"] if e.get("step") is not None]
         metric = "accuracy" if any(e.get("accuracy") is not None for e in evaluations) else "loss"
-        s["evaluations"].data = {"step": [e["step"] for e in evaluations], "time": [e["time"] for e in evaluations],
-                                 "value": [e.get(metric) for e in evaluations]}
+        origin = view["origin"] or 0
+        self._send("evaluations", {"step": [e["step"] for e in evaluations], "value": [e.get(metric) for e in evaluations],
+                                   "elapsed": [e["time"] - origin if e.get("time") else float("nan")
+                                               for e in evaluations]})
         staleness = view["staleness"]
-        s["staleness"].data = dict(staleness["over_time"])
-        s["staleness-histogram"].data = {"staleness": list(staleness["histogram"]),
-                                         "pushes": list(staleness["histogram"].values())}
-        if staleness["recent_mean"] is not None:
+        self._send("staleness", dict(staleness["over_time"]))
+        self._send("staleness-histogram", {"staleness": list(staleness["histogram"]),
+                                           "pushes": list(staleness["histogram"].values())})
+        if staleness["recent_mean"] is not None and staleness["recent_mean"] != self.staleness_now.value:
             self.staleness_now.value = staleness["recent_mean"]
-        s["divergence"].data = dict(view["divergence"])
+        self._send("divergence", dict(view["divergence"]))
         split = view["time_split"]
         names = [f"worker {w}" for w in sorted(split)]
-        self.split_x_range.factors = names
-        s["time-split"].data = {"worker": names, **{part: [split[w][part] for w in sorted(split)]
-                                                    for part in ("compute", "comm", "wait")}}
-        s["clock"].data = {"newest": [view["newest_time"] or 0.0], "steps": [view["steps_received"]]}
-        self.worker_table.object = _worker_frame(view["workers"])
-        self.requests_table.object = pd.DataFrame([{
+        if list(self.split_x_range.factors) != names:
+            self.split_x_range.factors = names
+        # Shares rounded to 1%: a bar chart need not move for every step.
+        self._send("time-split", {"worker": names, **{part: [round(split[w][part], 2) for w in sorted(split)]
+                                                      for part in ("compute", "comm", "wait")}})
+        self._send("clock", {"newest": [view["newest_time"] or 0.0], "steps": [view["steps_received"]]})
+        # The worker table (steps, rates, last seen) changes with every step: redrawn at most once a second,
+        # at once when a worker's state changes.
+        states = [row["state"] for row in view["workers"]]
+        if self._due("worker_table", 1.0, force or states != self._shown.get("states")):
+            self._shown["states"] = states
+            self._show("worker_table", _worker_frame(view["workers"], view["staleness"]["per_worker"]))
+        self._show("requests_table", pd.DataFrame([{
             "when": _when(r["time"]), "by": r["by"], "action": r["action"],
             "arguments": json.dumps(r["arguments"]) if r["arguments"] else "",
-            "result": "done" if r["ok"] else f"refused by the run: {r['error']}"} for r in reversed(view["requests"])])
+            "result": "done" if r["ok"] else f"refused by the run: {r['error']}"} for r in reversed(view["requests"])]))
         info = view["info"]
-        self.config_view.object = {k: v for k, v in info.items() if k not in ("kind", "time")}
+        self._show("config_view", {k: v for k, v in info.items() if k not in ("kind", "time")})
         role = self.access.role(self.user, info.get("owner"))
         allowed = self.access.may_control(self.user, info.get("owner")) and view["status"] not in ENDED
         for button in self.buttons:
-            button.disabled = not allowed
-        self.status.object = (f"**{view['status']}** · {info.get('strategy', '')} · owner {info.get('owner', '?')} · "
-                              f"{view['samples_per_s']:,.0f} samples/s · your role: {role}")
+            if button.disabled == allowed:
+                button.disabled = not allowed
+        if self._due("status", 1.0, force or view["status"] != self._shown.get("status")):
+            self._shown["status"] = view["status"]
+            self._show("status", f"**{view['status']}** · {info.get('strategy', '')} · owner {info.get('owner', '?')} · "
+                                 f"{view['samples_per_s']:,.0f} samples/s · your role: {role}")
+
+    def _due(self, name: str, period_s: float, now: bool = False) -> bool:
+        """Whether `name` may be redrawn: `now`, or at least `period_s` after its last redraw."""
+        last = self._shown.get(f"{name}_at", float("-inf"))
+        if now or time.monotonic() - last >= period_s:
+            self._shown[f"{name}_at"] = time.monotonic()
+            return True
+        return False
+
+    def _send(self, name: str, data: dict[str, list[Any]]) -> None:
+        """Give a plot's source new data, unless it is what the browser already has: every update costs
+        the browser a redraw, and with many viewers that is what training pays for."""
+        if self._sent.get(name) != data:
+            self._sent[name] = data
+            self.sources[name].data = data
+
+    def _show(self, pane: str, value: Any) -> None:
+        """Set a pane's content when it changed (tables and text are re-rendered whole)."""
+        key = value.to_json() if isinstance(value, pd.DataFrame) else value
+        if self._sent.get(pane) != key:
+            self._sent[pane] = key
+            getattr(self, pane).object = value
 
     def _draw_compare(self, force: bool = False) -> None:
         chosen = list(self.compare_select.value)
@@ -340,14 +399,17 @@ class DashboardSession:
         return not refused
 
 
-def _worker_frame(workers: list[dict[str, Any]]) -> pd.DataFrame:
+def _worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for row in workers:
+        pushes = staleness.get(row["worker"], {})
         rows.append({
             "worker": row["worker"], "address": row["address"], "state": row["state"], "step": row["step"],
             "samples/s": round(row.get("samples_per_s") or 0.0),
-            "last seen": f"{row['last_seen_s']:.1f} s ago" if row["last_seen_s"] is not None else "",
-            "staleness": row.get("staleness"), "steps since sync": row.get("steps_since_sync"),
+            "last seen": f"{row['last_seen_s']:.0f} s ago" if row["last_seen_s"] is not None else "",
+            "staleness": row.get("staleness"),
+            "staleness mean": round(pushes["mean"], 2) if pushes else None,
+            "staleness max": pushes.get("max"), "steps since sync": row.get("steps_since_sync"),
             "divergence": row.get("divergence"), "GPU memory (MB)": row.get("gpu_memory_mb"),
             "GPU use (%)": row.get("gpu_utilization"),
         })

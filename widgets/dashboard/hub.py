@@ -25,6 +25,7 @@ from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
 
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
+RUNS_LIST_S = 0.25  # how stale the runs list may be
 MEMBERSHIP_TOPIC = "all"  # the scheduler's own topic: add-worker and remove-worker
 
 
@@ -152,6 +153,7 @@ class Hub:
         self.feeds: dict[str, RunFeed] = {}
         self.subscriptions: set[str] = set()  # topics this process subscribes to: one per live run
         self._lock = threading.Lock()
+        self._runs: tuple[float, list[dict[str, Any]]] | None = None
         self._work: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="workbench-dashboard-hub", daemon=True)
@@ -171,7 +173,7 @@ class Hub:
             with self._lock:
                 feeds = list(self.feeds.values())
             for feed in feeds:
-                if feed.info.get("scheduler") and feed.registered and feed.status not in ENDED:
+                if feed.registered and feed.status not in ENDED:
                     self._follow(feed)
         self._thread.start()
         return self
@@ -190,23 +192,19 @@ class Hub:
     # --- reading --------------------------------------------------------------------------------------
 
     def runs(self) -> list[dict[str, Any]]:
-        """The runs list, newest first."""
+        """The runs list, newest first; computed at most every RUNS_LIST_S for all sessions together."""
+        cached = self._runs
+        if cached is not None and time.monotonic() - cached[0] < RUNS_LIST_S and len(cached[1]) == len(self.feeds):
+            return cached[1]
         with self._lock:
             feeds = list(self.feeds.values())
-        return sorted((feed.row() for feed in feeds), key=lambda row: row["started"] or 0, reverse=True)
+        rows = sorted((feed.row() for feed in feeds), key=lambda row: row["started"] or 0, reverse=True)
+        self._runs = (time.monotonic(), rows)
+        return rows
 
     def feed(self, run_id: str) -> RunFeed | None:
         with self._lock:
             return self.feeds.get(run_id)
-
-    def wait_for(self, condition: Any, timeout: float = 10.0) -> bool:
-        """Poll `condition()` until true (tests and callers that need a run to appear)."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            self._closed.wait(0.05)
-        return True
 
     def request(self, run_id: str, action: str, by: str | None, **arguments: Any) -> str:
         """Send a control request to the run's owner. The caller has checked that `by` may."""
