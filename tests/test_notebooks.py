@@ -19,6 +19,7 @@ EXPECTED_OUTPUT = {
     "03-live-control": ["paused at steps", "average -> async", "back to async at step"],
     "04-existing-cluster": ["held-out accuracy", "tcp://127.0.0.1"],
     "05-bring-your-own-model": ["on shifted images", "parameters"],
+    "06-team-dashboard": ["Dashboard at", "samples/s", "application/vnd.holoviews_exec.v0+json"],
 }
 
 

@@ -14,13 +14,14 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import panel as pn
 
 from workbench import cluster as cluster_module
-from workbench.errors import ConfigError, WorkbenchError
+from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
 from .access import Access, load_credentials, policy
 from .app import DashboardSession, session_factory
@@ -77,7 +78,22 @@ def serve_dashboard(client: Any = None, runs_dir: str | Path | None = "runs", po
     thread = pn.serve({"": session_factory(hub, access, _checked_refresh(refresh_ms), title)}, port=port,
                       address=address, websocket_origin=[f"{address}:{port}", f"localhost:{port}"], show=False,
                       threaded=True, title=title, verbose=False, **options)
+    _wait_until_listening(address, port)
     return DashboardServer(url=f"http://{address}:{port}/", hub=hub, thread=thread)
+
+
+def _wait_until_listening(address: str, port: int, timeout_s: float = 30.0) -> None:
+    """The server thread starts listening a moment after `panel.serve` returns: wait, so the URL works."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the dashboard did not start listening on {address}:{port} "
+                                   f"within {timeout_s:.0f} s") from None
+            time.sleep(0.05)  # nothing to wait on but the port itself
 
 
 def _client(client: Any) -> Any:
