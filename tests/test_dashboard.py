@@ -258,3 +258,21 @@ def test_panel_serve_entry_point_serves_the_same_app(client, run_dir, browser):
                                f" === {2 * run.total_steps}", timeout=30_000)
         expect(page.get_by_text("view only")).to_be_visible()  # no sign-in and no --open-control
         page.context.close()
+
+
+def test_dashboard_served_from_the_notebook_leaves_the_notebooks_runs_their_metrics(client, run_dir):
+    from widgets.dashboard import serve_dashboard
+
+    run = workbench.train(long_job(), "average", client=client, run_dir=run_dir, period=4)
+    server = serve_dashboard(client, runs_dir=run_dir)
+    try:
+        assert urllib.request.urlopen(server.url, timeout=30).status == 200
+        run.wait_for_step(10)
+        feed = server.hub.feed(run.run_id)
+        assert feed is not None and feed.live
+        step = run.table.last_steps()[0]["step"]
+        run.wait_for_step(step + 50)  # the run's own client still gets every record
+    finally:
+        server.stop()
+        run.stop()
+        run.wait(120)

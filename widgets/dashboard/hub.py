@@ -147,8 +147,11 @@ class RunFeed:
 class Hub:
     """Every run on one cluster (and in one runs directory), shared by all of a dashboard's sessions."""
 
-    def __init__(self, client: Any, runs_dir: str | Path | None = None) -> None:
+    def __init__(self, client: Any, runs_dir: str | Path | None = None, owns_client: bool = False) -> None:
+        """client: this process's own Dask client (not one whose runs it should follow: one handler per
+        topic and client); owns_client: close it with the hub."""
         self.client = client
+        self._owns_client = owns_client
         self.runs_dir = Path(runs_dir) if runs_dir is not None else None
         self.feeds: dict[str, RunFeed] = {}
         self.subscriptions: set[str] = set()  # topics this process subscribes to: one per live run
@@ -187,6 +190,8 @@ class Hub:
                     self.client.unsubscribe_topic(name)
                 except Exception:
                     pass
+            if self._owns_client:
+                self.client.close()
         self.subscriptions.clear()
 
     # --- reading --------------------------------------------------------------------------------------

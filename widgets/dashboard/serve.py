@@ -53,7 +53,7 @@ def dashboard(client: Any = None, runs_dir: str | Path | None = "runs", title: s
 
     The notebook's user is the operator here: controls act on the runs, as the control panel does.
     """
-    hub = Hub(_client(client), runs_dir).start()
+    hub = Hub(_own_client(client), runs_dir, owns_client=True).start()
     session = DashboardSession(hub, Access(open_control=True), title=title)
     session.layout.hub = hub
     pn.state.add_periodic_callback(session.refresh, period=_checked_refresh(refresh_ms))
@@ -69,7 +69,7 @@ def serve_dashboard(client: Any = None, runs_dir: str | Path | None = "runs", po
     port 0 picks a free port. basic_auth: a credentials file or dict {"user": "password"}; admins may
     control every run, owners their own. Other keyword arguments go to `panel.serve` (oauth_provider=...).
     """
-    hub = Hub(_client(client), runs_dir).start()
+    hub = Hub(_own_client(client), runs_dir, owns_client=True).start()
     credentials = load_credentials(basic_auth) if isinstance(basic_auth, (str, Path)) else basic_auth
     sign_in = bool(credentials or panel_options.get("oauth_provider"))
     access = policy(sign_in, list(admins), address)
@@ -96,15 +96,17 @@ def _wait_until_listening(address: str, port: int, timeout_s: float = 30.0) -> N
             time.sleep(0.05)  # nothing to wait on but the port itself
 
 
-def _client(client: Any) -> Any:
-    if client is not None:
-        return client
-    from distributed import get_client
+def _own_client(client: Any) -> Any:
+    """A client of its own to the same scheduler: Dask keeps one handler per topic and client, so
+    following runs on the notebook's client would take their metrics away from the notebook's runs."""
+    from distributed import Client, get_client
 
-    try:
-        return get_client()
-    except ValueError:
-        raise ConfigError("client", None, "a Dask client", "Pass client=workbench.connect(...)") from None
+    if client is None:
+        try:
+            client = get_client()
+        except ValueError:
+            raise ConfigError("client", None, "a Dask client", "Pass client=workbench.connect(...)") from None
+    return Client(client.scheduler.address, security=client.security, set_as_default=False, timeout=30)
 
 
 def _checked_refresh(refresh_ms: Any) -> int:
