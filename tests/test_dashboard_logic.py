@@ -207,3 +207,24 @@ def test_workers_the_scheduler_removes_show_as_lost_in_their_live_runs(tmp_path)
     # A finished run keeps its workers' last state: losing the machine later is not its news.
     assert [row["state"] for row in hub.feed("done").view()["workers"]] == ["running"]
     hub.close()
+
+
+def test_session_follows_the_newest_run_until_the_viewer_picks_one(tmp_path):
+    _write_run(tmp_path, "first", "olivia", _steps(0, range(2)), {"status": "finished"})
+    hub = Hub(None, tmp_path).start()
+    session = DashboardSession(hub, Access())
+    assert session.run_select.value == "first"
+    second = _write_run(tmp_path, "second", "olivia", _steps(0, range(2)))
+    (second / "config.json").write_text(json.dumps({"run_id": "second", "owner": "olivia", "started": 6.0}))
+    hub._load_directory(second)
+    hub._runs = None  # the runs list is cached for a quarter of a second
+    session.refresh()
+    assert session.run_select.value == "second"
+    session.run_select.value = "first"  # the viewer picks
+    third = _write_run(tmp_path, "third", "olivia", _steps(0, range(2)))
+    (third / "config.json").write_text(json.dumps({"run_id": "third", "owner": "olivia", "started": 7.0}))
+    hub._load_directory(third)
+    hub._runs = None
+    session.refresh()
+    assert session.run_select.value == "first" and session.run_select.options[0] == "third"
+    hub.close()

@@ -208,14 +208,14 @@ class DashboardSession:
         ids = [row["run"] for row in rows]
         if ids != self._shown.get("ids"):
             self._shown["ids"] = ids
-            self.run_select.options = ids
-            self.compare_select.options = ids
-            if ids and (self._following_newest or self.run_select.value not in ids):
-                self._selecting = True
-                try:
+            self._selecting = True  # new options may move the selection: that is not the viewer's pick
+            try:
+                self.run_select.options = ids
+                self.compare_select.options = ids
+                if ids and (self._following_newest or self.run_select.value not in ids):
                     self.run_select.value = ids[0]
-                finally:
-                    self._selecting = False
+            finally:
+                self._selecting = False
         self._draw_run()
         self._draw_compare()
 
