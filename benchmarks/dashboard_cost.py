@@ -100,7 +100,7 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from widgets.dashboard.serve import free_port
+    from workbench.collectives import find_free_port as free_port
 
     client = workbench.connect(workers=arguments.workers, dashboard_address=":0")
     run_dir = tempfile.mkdtemp(prefix="dashboard-cost-")

@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 import workbench
 from workbench.metrics import topic
 from workbench.rundir import read_metrics
-from widgets.dashboard.serve import free_port
+from workbench.collectives import find_free_port as free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

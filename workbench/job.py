@@ -100,7 +100,7 @@ class Job:
         elif not callable(self.optimizer):
             raise ConfigError("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)} or a function")
         _check_number("momentum", self.momentum, minimum=0.0, below=1.0, integer=False)
-        _check_number("lr", self.lr, minimum=0.0, integer=False, strictly=True)
+        check_lr(self.lr)
         _check_number("batch_size", self.batch_size, minimum=1, integer=True)
         _check_number("seed", self.seed, minimum=0, integer=True)
         if self.steps is None:
@@ -159,6 +159,12 @@ def make_optimizer(job: Job, parameters) -> torch.optim.Optimizer:
 
 def loss_function(job: Job) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return LOSSES[job.loss] if isinstance(job.loss, str) else job.loss
+
+
+def check_lr(lr: Any) -> float:
+    """A learning rate, checked (ConfigError otherwise): for jobs, and for changes while a run trains."""
+    _check_number("lr", lr, minimum=0.0, integer=False, strictly=True)
+    return float(lr)
 
 
 def _check_number(parameter: str, value: Any, minimum: float, integer: bool, strictly: bool = False,

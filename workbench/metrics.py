@@ -328,9 +328,7 @@ def time_split(frame: pd.DataFrame) -> dict[str, float]:
     """Fractions of step time spent computing, communicating and waiting, over all recorded steps."""
     if frame.empty:
         return {"compute": 0.0, "comm": 0.0, "wait": 0.0}
-    totals = {name: float(frame[f"{name}_s"].sum()) for name in ("compute", "comm", "wait")}
-    whole = sum(totals.values()) or 1.0
-    return {name: value / whole for name, value in totals.items()}
+    return _fractions({f"{name}_s": float(frame[f"{name}_s"].sum()) for name in ("compute", "comm", "wait")})
 
 
 def staleness_summary(frame: pd.DataFrame) -> dict[int, dict[str, Any]]:

@@ -28,7 +28,7 @@ from .control import ControlState, ControlWriter
 from .data import BuiltinData, DaskArrayData, DataSource, as_source
 from .errors import ClusterError, ConfigError, TrainingError
 from .evaluation import evaluate
-from .job import Job, PreparedJob, loss_function
+from .job import Job, PreparedJob, check_lr, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
 from .registry import RUNS_TOPIC, requests_topic
@@ -423,11 +423,10 @@ class Run:
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate on every worker while the run trains."""
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
-            raise ConfigError("lr", lr, "a finite number > 0")
+        lr = check_lr(lr)
         self._require_running()
-        self._control.update(lr=float(lr))
-        self.directory.append([{"kind": "control", "time": time.time(), "lr": float(lr)}])
+        self._control.update(lr=lr)
+        self.directory.append([{"kind": "control", "time": time.time(), "lr": lr}])
 
     def update(self, **settings: Any) -> None:
         """Change strategy settings that may change live (e.g. `period` for 'average')."""

@@ -20,6 +20,7 @@ from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
+from workbench.job import check_lr
 from workbench.strategies import STRATEGIES, make_settings
 
 from .access import Access
@@ -378,10 +379,7 @@ class DashboardSession:
     def _checked(action: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """Refuse bad values here, with the engine's own messages, before bothering the run."""
         if action == "set_lr":
-            lr = arguments["lr"]
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-                raise ValueError(f"lr={lr!r} is not allowed: expected a finite number > 0")
-            return {"lr": float(lr)}
+            return {"lr": check_lr(arguments["lr"])}
         if action == "switch":
             text = arguments.get("settings") or "{}"
             try:

@@ -21,6 +21,7 @@ from typing import Any
 import panel as pn
 
 from workbench import cluster as cluster_module
+from workbench.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
 from .access import Access, load_credentials, policy
@@ -73,7 +74,7 @@ def serve_dashboard(client: Any = None, runs_dir: str | Path | None = "runs", po
     credentials = load_credentials(basic_auth) if isinstance(basic_auth, (str, Path)) else basic_auth
     sign_in = bool(credentials or panel_options.get("oauth_provider"))
     access = policy(sign_in, list(admins), address)
-    port = port or free_port(address)
+    port = port or find_free_port(address)
     options = _auth_options(credentials, cookie_secret, panel_options)
     thread = pn.serve({"": session_factory(hub, access, _checked_refresh(refresh_ms), title)}, port=port,
                       address=address, websocket_origin=[f"{address}:{port}", f"localhost:{port}"], show=False,
@@ -124,12 +125,6 @@ def _auth_options(credentials: dict[str, str] | None, cookie_secret: str | None,
     if credentials:
         options["basic_auth"] = credentials
     return options
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
 
 
 # --- the command ----------------------------------------------------------------------------------------
