@@ -102,8 +102,8 @@ class MetricsTable:
         entry = self._loss_by_step.setdefault(record["step"], [0.0, 0])
         entry[0] += record["loss"]
         entry[1] += 1
-        self._samples_by_second[int(record["time"])][record["worker"]] += record["samples"]
         second = int(record["time"])
+        self._samples_by_second[second][record["worker"]] += record["samples"]
         _accumulate(self._loss_by_second, second, record["loss"])
         totals = self._per_worker[record["worker"]]
         for part in ("compute_s", "comm_s", "wait_s"):

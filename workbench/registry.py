@@ -39,8 +39,8 @@ def control_request(action: str, by: str | None, **arguments: Any) -> dict[str, 
 
 
 def send_control_request(client: Any, run_id: str, action: str, by: str | None, **arguments: Any) -> str:
-    """Ask the owner of `run_id` to carry out `action`; returns the request id (its answer arrives as a
-    `control-request` message on RUNS_TOPIC and in the run's metrics)."""
+    """Ask the owner of `run_id` to carry out `action`; returns the request id (the answer arrives as a
+    `control-request` record on the run's metrics topic, and lands in its run directory)."""
     request = control_request(action, by, **arguments)
     client.log_event(requests_topic(run_id), request)
     return request["request_id"]

@@ -31,7 +31,7 @@ from .evaluation import evaluate
 from .job import Job, PreparedJob, check_lr, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
-from .registry import RUNS_TOPIC, requests_topic
+from .registry import CONTROL_ACTIONS, RUNS_TOPIC, requests_topic
 from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
 from .sharding import assign_blocks, shard_size
 from .strategies import get_strategy, make_settings
@@ -261,6 +261,8 @@ class Run:
             self.error = f"supervising the run failed: {type(error).__name__}: {error}"
             self.status = "failed"
             raise
+        finally:
+            self._requests.put(None)  # ends the thread serving other clients' control requests
 
     def _supervise_tasks(self) -> None:
         futures = self._futures
@@ -301,7 +303,6 @@ class Run:
         self.directory.write_json(SUMMARY_FILE, summary)
         self.directory.close()
         self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
-        self._requests.put(None)
 
     # --- the cluster-wide registry and requests from other clients ------------------------------------
 
@@ -335,7 +336,7 @@ class Run:
             elif action == "switch":
                 self.switch(arguments.get("strategy"), **(arguments.get("settings") or {}))
             else:
-                raise ConfigError("action", action, "pause, resume, stop, set_lr or switch")
+                raise ConfigError("action", action, f"one of {', '.join(CONTROL_ACTIONS)}")
             outcome: dict[str, Any] = {"ok": True, "error": None}
         except Exception as error:
             outcome = {"ok": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
