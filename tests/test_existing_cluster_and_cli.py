@@ -1,49 +1,18 @@
 """An existing cluster started with the `dask scheduler` / `dask worker` commands, and the CLI end to end."""
-import contextlib
-import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import workbench
 
+from helpers import dask_cluster_on_loopback
+
 pytestmark = [pytest.mark.cluster]
-DASK = str(Path(sys.executable).with_name("dask"))
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 
 
-@contextlib.contextmanager
-def dask_cluster_on_loopback(tmp_path, workers=2):
-    """`dask scheduler` and `dask worker` processes on 127.0.0.1; all terminated on exit."""
-    scheduler_file = tmp_path / "scheduler.json"
-    environment = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    processes = [subprocess.Popen(
-        [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0",
-         "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment)]
-    try:
-        deadline = time.monotonic() + 60
-        while not scheduler_file.exists() or not scheduler_file.read_text().strip():
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            assert processes[0].poll() is None, "dask scheduler exited"
-            time.sleep(0.1)
-        address = json.loads(scheduler_file.read_text())["address"]
-        processes.append(subprocess.Popen(
-            [DASK, "worker", address, "--nworkers", str(workers), "--nthreads", "1", "--host", "127.0.0.1",
-             "--dashboard-address", ":0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment))
-        yield address
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
 
 
 @pytest.mark.timeout(240)

@@ -7,15 +7,16 @@
 
 This package is the engine; it never imports the UI (`widgets`).
 """
-from .cluster import client_session, connect, shutdown
+from .cluster import client_session, connect, security_from_files, shutdown
 from .data import Splits, digits, synthetic
-from .errors import ClusterError, ConfigError, TrainingError, WorkbenchError
+from .errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError, WorkbenchError
 from .job import Job
 from .models import mlp
-from .run import Run, train
+from .run import Run, resume, train
 from .strategies import STRATEGIES
 
 __all__ = [
-    "STRATEGIES", "ClusterError", "ConfigError", "Job", "Run", "Splits", "TrainingError", "WorkbenchError",
-    "client_session", "connect", "digits", "mlp", "shutdown", "synthetic", "train",
+    "STRATEGIES", "ClusterError", "ConfigError", "DivergenceError", "Job", "ResumeError", "Run", "Splits",
+    "TrainingError", "WorkbenchError", "client_session", "connect", "digits", "mlp", "resume",
+    "security_from_files", "shutdown", "synthetic", "train",
 ]

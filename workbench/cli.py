@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from . import cluster as cluster_module
 from .data import as_source, resolve_dataset
-from .errors import WorkbenchError
+from .errors import ConfigError, WorkbenchError
 from .job import OPTIMIZERS, Job
 from .models import mlp
-from .run import train
+from . import checkpoint as checkpoints
+from .run import resume, train
 from .compression import COMPRESSIONS
 from .strategies import STRATEGIES, make_settings
 
@@ -58,7 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--scheduler", default=None, metavar="ADDRESS", help="train on an existing cluster")
+    add_tls_arguments(run)
     run.add_argument("--run-dir", default="runs", help="where the run's directory is created")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="go on with a stopped or crashed run from its checkpoint (its job and strategy)")
+    run.add_argument("--checkpoint-every-steps", type=_positive_int, default=None, help="steps between checkpoints")
+    run.add_argument("--checkpoint-every-s", type=_positive_float, default=60.0, help="seconds between checkpoints")
+    run.add_argument("--min-workers", type=_positive_int, default=1,
+                     help="after losing workers, go on only with at least this many")
+    run.add_argument("--auto-join", action="store_true", help="add workers that join the cluster during the run")
+    run.add_argument("--timeout", type=_positive_float, default=60.0, dest="collective_timeout_s",
+                     help="seconds any wait on another worker may take before that worker counts as lost")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     commands.add_parser("dashboard", add_help=False,
                         help="serve the team dashboard of a cluster (workbench dashboard --help)")
@@ -89,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(arguments: argparse.Namespace) -> int:
+    fault_tolerance = {name: getattr(arguments, name) for name in FAULT_TOLERANCE_FLAGS}
+    if arguments.resume is not None:
+        checkpoints.load(arguments.resume)  # refuse a directory without a checkpoint before starting a cluster
+        return _with_client(arguments, lambda client: resume(arguments.resume, client=client,
+                                                             workers=arguments.workers, **fault_tolerance))
     splits = resolve_dataset(arguments.dataset, "--dataset")
     features, classes = _shape_of(splits.train)
     job = Job(
@@ -99,13 +115,23 @@ def _train(arguments: argparse.Namespace) -> int:
     settings = {name: getattr(arguments, name) for name in SETTING_FLAGS if getattr(arguments, name) is not None}
     job.prepare()  # refuse bad values before a cluster is started
     make_settings(arguments.strategy, settings)
+    return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
+                                                        workers=arguments.workers, run_dir=arguments.run_dir,
+                                                        **fault_tolerance, **settings))
+
+
+def _with_client(arguments: argparse.Namespace, start: Any) -> int:
+    """Connect (or start the embedded cluster), start the run with `start(client)`, follow it to its end."""
+    security = tls_security(arguments)  # checked before connecting, like every other flag
+    if security is not None and not arguments.scheduler:
+        raise ConfigError("--tls-ca-file", arguments.tls_ca_file, "only together with --scheduler",
+                          "The embedded cluster needs no certificates")
     if arguments.scheduler:
-        client = cluster_module.connect(scheduler=arguments.scheduler)
+        client = cluster_module.connect(scheduler=arguments.scheduler, security=security)
     else:
         client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0")
     try:
-        run = train(job, arguments.strategy, client=client, workers=arguments.workers,
-                    run_dir=arguments.run_dir, **settings)
+        run = start(client)
         _follow(run, disable=arguments.no_progress)
         status = run.wait()
         result = run.evaluate()
@@ -115,6 +141,9 @@ def _train(arguments: argparse.Namespace) -> int:
         cluster_module.shutdown(client) if not arguments.scheduler else client.close()
 
 
+# Command-line flags that are train() options for checkpoints, lost and joining workers.
+FAULT_TOLERANCE_FLAGS = ("checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
+                         "collective_timeout_s")
 # Command-line flags that are strategy settings (checked against the chosen strategy's settings).
 SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "topk_ratio")
 
@@ -156,6 +185,21 @@ def _shape_of(source: Any) -> tuple[int, int]:
     loaded = loaded.load() if hasattr(loaded, "load") else loaded
     inputs, targets = loaded.batch(torch.arange(min(len(loaded), 4096)))
     return int(inputs[0].numel()), int(targets.max()) + 1
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that reach a TLS scheduler, named as `dask scheduler` and `dask worker` name them."""
+    parser.add_argument("--tls-ca-file", default=None, metavar="PEM",
+                        help="the cluster's CA certificate (for a tls:// --scheduler)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this client's TLS certificate")
+    parser.add_argument("--tls-key", default=None, metavar="PEM",
+                        help="the private key of --tls-cert (unless appended to it)")
+
+
+def tls_security(arguments: argparse.Namespace) -> Any:
+    """The `distributed.Security` the --tls-* flags describe (files checked), or None without them."""
+    return cluster_module.security_from_files(arguments.tls_ca_file, arguments.tls_cert, arguments.tls_key,
+                                              names=("--tls-ca-file", "--tls-cert", "--tls-key"))
 
 
 def _positive_int(text: str) -> int:

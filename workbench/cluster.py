@@ -4,16 +4,22 @@
 `timeout_s` with a clear message. Otherwise it starts a `dask_cuda.LocalCUDACluster` when dask-cuda
 imports and NVML reports at least one GPU, else a `distributed.LocalCluster` of single-threaded worker
 processes configured for training.
+
+TLS: `connect(security=True)` starts a local cluster with throwaway self-signed certificates;
+`connect("tls://host:8786", security=security_from_files(ca, cert, key))` reaches a TLS scheduler.
+Only Dask's own connections are encrypted: torch.distributed's (gloo, NCCL) between workers are not.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Security
 
 from .errors import ClusterError, ConfigError
 
@@ -101,9 +107,15 @@ def connect(
     scheduler: address of an existing scheduler (`tcp://host:8786`, `tls://...`); None starts one here.
     workers: worker processes to start (default: one per GPU, else 2).
     kind: 'auto', 'cpu' or 'cuda' for a cluster started here.
-    security: a `distributed.Security` (or True for a temporary TLS setup), passed through untouched.
+    security: a `distributed.Security` (see `security_from_files`), passed through untouched; for a
+    cluster started here also True: TLS with temporary self-signed certificates (needs `cryptography`).
     A cluster started here is closed with the client: use `shutdown(client)` or `client_session(...)`.
     """
+    if security is False:
+        security = None
+    if security is not None and security is not True and not isinstance(security, Security):
+        raise ConfigError("security", security, "None, True (a temporary TLS setup here) or a distributed.Security",
+                          "Build one with workbench.security_from_files(ca_file, cert, key)")
     if scheduler is not None:
         return _connect_existing(scheduler, security, timeout_s)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
@@ -111,6 +123,8 @@ def connect(
     if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
         raise ConfigError("threads_per_worker", threads_per_worker, "an integer >= 1")
     chosen = choose_kind(kind, workers)
+    if security is True:
+        security = _temporary_security()  # made here, so a missing `cryptography` is a ConfigError
     with dask.config.set(TRAINING_CONFIG):
         if chosen == "cuda":
             from dask_cuda import LocalCUDACluster
@@ -124,7 +138,7 @@ def connect(
                 n_workers=workers or 2, threads_per_worker=threads_per_worker, processes=True,
                 dashboard_address=dashboard_address, security=security, **cluster_options,
             )
-        client = Client(local, security=local.security if security else None)
+        client = Client(local, security=local.security if security is not None else None)
     client._workbench_owns_cluster = True  # type: ignore[attr-defined]
     return client
 
@@ -148,15 +162,88 @@ def client_session(**options: Any) -> Iterator[Client]:
         shutdown(client)
 
 
+def security_from_files(ca_file: str | os.PathLike | None, cert: str | os.PathLike | None,
+                        key: str | os.PathLike | None = None,
+                        names: tuple[str, str, str] = ("ca_file", "cert", "key")) -> Security | None:
+    """A client's `distributed.Security` for a TLS scheduler, from PEM files; None when no file is given.
+
+    ca_file: the cluster's CA certificate; cert: this client's certificate; key: its private key (may be
+    left out when appended to `cert`), as `dask scheduler`/`dask worker --tls-ca-file/--tls-cert/--tls-key`
+    take them. Every file must exist, be readable and hold PEM; otherwise `ConfigError` names the
+    parameter (`names`: how the caller calls them, e.g. the command's flags).
+    """
+    ca_name, cert_name, key_name = names
+    if not (ca_file or cert or key):
+        return None
+    for name, path in ((ca_name, ca_file), (cert_name, cert), (key_name, key)):
+        if path:
+            _check_readable(name, os.fspath(path))
+    if not ca_file:
+        raise ConfigError(ca_name, ca_file, f"the cluster's CA certificate (PEM) together with {cert_name}")
+    if not cert:
+        raise ConfigError(cert_name, cert, f"this client's certificate (PEM) together with {ca_name}",
+                          "Dask's TLS authenticates both sides: the scheduler checks the client's certificate")
+    try:
+        ssl.create_default_context(cafile=os.fspath(ca_file))
+    except (ssl.SSLError, ValueError) as error:
+        raise ConfigError(ca_name, os.fspath(ca_file), "a PEM CA certificate file", f"{error}") from None
+    try:
+        ssl.create_default_context().load_cert_chain(os.fspath(cert), os.fspath(key) if key else None)
+    except (ssl.SSLError, ValueError) as error:
+        hint = f"{error}" if key else f"{error}; give the private key with {key_name} or append it to the file"
+        raise ConfigError(cert_name, os.fspath(cert), "a PEM certificate" + (f" matching {key_name}" if key else
+                          " followed by its private key"), hint) from None
+    return Security(tls_ca_file=os.fspath(ca_file), tls_client_cert=os.fspath(cert),
+                    tls_client_key=os.fspath(key) if key else None, require_encryption=True)
+
+
+def _check_readable(name: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise ConfigError(name, path, "an existing PEM file", "No such file")
+    if not os.path.isfile(path):
+        raise ConfigError(name, path, "a PEM file", "It is not a regular file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        raise ConfigError(name, path, "a readable PEM file", f"{type(error).__name__}: {error.strerror}") from None
+
+
+def _temporary_security() -> Security:
+    try:
+        return Security.temporary()
+    except ImportError:
+        raise ConfigError("security", True, "True only where the 'cryptography' package is installed",
+                          "pip install cryptography (it makes the temporary certificates), or pass a "
+                          "distributed.Security with certificate files") from None
+
+
 def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
     if not isinstance(address, str) or "://" not in address and ":" not in address:
         raise ConfigError("scheduler", address, "an address such as 'tcp://127.0.0.1:8786' or 'tls://host:8786'")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ConfigError("timeout_s", timeout_s, "a number of seconds > 0")
+    if security is True:
+        raise ConfigError("security", True, "a distributed.Security holding the cluster's certificates",
+                          "security=True makes throwaway certificates, good only for a cluster started here; "
+                          "use workbench.security_from_files(ca_file, cert, key)")
+    scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+    effective = security if security is not None else Security()  # None: Dask's configuration decides
+    if scheme == "tls" and not (effective.tls_ca_file and effective.tls_client_cert):
+        raise ConfigError("security", security, "TLS certificates for a tls:// scheduler",
+                          "Pass security=workbench.security_from_files(ca_file, cert, key); on the "
+                          "command line --tls-ca-file, --tls-cert and --tls-key")
+    if scheme == "tcp" and effective.require_encryption:
+        raise ConfigError("scheduler", address, "a tls:// address when TLS is required",
+                          "A scheduler started with certificates listens on tls://host:port")
     try:
         return Client(address, security=security, timeout=f"{timeout_s}s")
     except (OSError, TimeoutError, ValueError) as error:
+        text = f"{error}"
+        hint = ("Check that the CA file is the cluster's and the certificate and key are ones it signed"
+                if "TLS" in text or "SSL" in text else
+                "Check that 'dask scheduler' runs there and the address and port are right")
         raise ClusterError(
             f"could not reach the Dask scheduler at {address} within {timeout_s:g} s ({type(error).__name__}: "
-            f"{error}). Check that 'dask scheduler' runs there and the address and port are right."
+            f"{text}). {hint}."
         ) from None

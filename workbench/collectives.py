@@ -94,6 +94,13 @@ def broadcast_object(value: Any, source_rank: int = 0) -> Any:
     return holder[0]
 
 
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, in rank order, on every rank (checkpoints: tensors and RNG states)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def barrier() -> None:
     """Return once every rank has called it."""
     dist.barrier()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Variable
@@ -25,6 +26,9 @@ class ControlState:
     strategy: str = ""  # the strategy the run should be using
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # that strategy's settings
     switch_id: int = 0  # switches asked for so far; a worker that has made fewer has one to make
+    checkpoint_id: int = 0  # checkpoints asked for so far (besides those every N steps)
+    generation: int = 0  # the group of workers that should train; an older group's workers leave at once
+    regroup: bool = False  # with stop: end this group cleanly so that the run goes on with other workers
 
     def to_message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,8 +76,11 @@ class ControlWriter:
 class ControlPoller:
     """Worker side: a daemon thread keeping the latest control state in memory."""
 
-    def __init__(self, client: Any, run_id: str, interval_s: float = 0.1) -> None:
+    def __init__(self, client: Any, run_id: str, interval_s: float = 0.1,
+                 released: Callable[[], bool] = lambda: False) -> None:
         self._variable = Variable(variable_name(run_id), client=client)
+        self._released_check = released
+        self._released = False
         self._interval_s = interval_s
         self._latest = ControlState()
         self._changed = threading.Condition()
@@ -83,6 +90,10 @@ class ControlPoller:
 
     def latest(self) -> ControlState:
         return self._latest
+
+    def released(self) -> bool:
+        """Whether the task this poller serves is no longer wanted by the scheduler (its client is gone)."""
+        return self._released
 
     def wait_for_change(self, version: int, timeout_s: float) -> ControlState:
         """Block until a state newer than `version` arrives or `timeout_s` passes; return the latest."""
@@ -100,6 +111,10 @@ class ControlPoller:
                 message = self._variable.get(timeout=5)
             except Exception:  # scheduler busy or variable not yet visible: try again next tick
                 message = None
+            try:
+                self._released = self._released or self._released_check()
+            except Exception:  # the worker's state is being torn down
+                pass
             if message is not None:
                 state = ControlState.from_message(message)
                 if state.version > self._latest.version:

@@ -31,3 +31,11 @@ class ClusterError(WorkbenchError, RuntimeError):
 
 class TrainingError(WorkbenchError, RuntimeError):
     """A worker failed while training; the message carries the worker's traceback."""
+
+
+class ResumeError(ConfigError):
+    """A run directory or checkpoint cannot be resumed from (missing, unreadable, or another model's)."""
+
+
+class DivergenceError(TrainingError):
+    """The loss or the parameters became NaN or infinite; the message names the step and the worker."""

@@ -254,7 +254,8 @@ def _fractions(totals: dict[str, Any]) -> dict[str, float]:
 
 # Worker lifecycle events and the state each leaves the worker in.
 WORKER_STATES = {"worker-started": "running", "paused": "paused", "resumed": "running",
-                 "worker-finished": "finished", "worker-failed": "failed"}
+                 "worker-finished": "finished", "worker-failed": "failed", "worker-lost": "lost",
+                 "worker-left": "left"}
 
 
 def downsample(xs: list[float], ys: list[float], max_points: int) -> tuple[list[float], list[float]]:
@@ -273,6 +274,11 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     markers = []
     for event in events:
         kind = event.get("kind")
+        if kind in ("worker-lost", "regrouped"):  # the run's own events: lost workers and regroups
+            marker = _membership_marker(event)
+            if marker is not None:
+                markers.append(marker)
+            continue
         if event.get("worker") != 0 or kind not in ("switched", "changed", "paused", "resumed"):
             continue
         if kind == "switched":
@@ -284,6 +290,17 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             label = kind
         markers.append({"kind": kind, "step": event["step"], "time": event.get("time"), "label": label})
     return sorted(markers, key=lambda m: (m["step"], m["time"] or 0))
+
+
+def _membership_marker(event: dict[str, Any]) -> dict[str, Any] | None:
+    if event["kind"] == "worker-lost":
+        step, label = event.get("step"), f"lost {event.get('address', 'a worker')}"
+    else:
+        step = event.get("from_step")
+        label = f"{len(event.get('workers') or ())} workers from step {step} ({event.get('reason', 'regrouped')})"
+    if step is None:
+        return None
+    return {"kind": event["kind"], "step": step, "time": event.get("time"), "label": label}
 
 
 def _recent(records: collections.deque, window_s: float) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import datetime
 import getpass
 import importlib
 import json
+import math
 import queue
 import threading
 import time
@@ -19,25 +20,30 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import torch
 from distributed import Client
 from distributed.comm import get_address_host
+from distributed.scheduler import KilledWorker
 
-from . import collectives
+from . import checkpoint as checkpoints
+from . import collectives, membership
 from .control import ControlState, ControlWriter
 from .data import BuiltinData, DaskArrayData, DataSource, as_source
-from .errors import ClusterError, ConfigError, TrainingError
+from .errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError
 from .evaluation import evaluate
 from .job import Job, PreparedJob, check_lr, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
 from .registry import CONTROL_ACTIONS, RUNS_TOPIC, requests_topic
-from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory
+from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory, atomic_write, read_metrics
 from .sharding import assign_blocks, shard_size
 from .strategies import get_strategy, make_settings
 from .worker import WorkerTask, train_on_worker
 
 FINISHED_STATES = ("finished", "stopped", "failed")
+SUPERVISION_TICK_S = 0.25  # how often the supervisor looks at membership, checkpoints due and joins
+MAX_SAVED_JOB_BYTES = 64 * 2**20  # a job (with its data) larger than this is not saved for resume()
 
 
 class FutureWatch:
@@ -70,31 +76,92 @@ class FutureWatch:
 
 def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
           run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
-          start: bool = True, owner: str | None = None, **settings: Any) -> Run:
+          start: bool = True, owner: str | None = None, checkpoint_every_steps: int | None = None,
+          checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
+          **settings: Any) -> Run:
     """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
 
     strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
     workers: how many of the cluster's workers train (default: all).
-    run_dir: parent directory of the run's own directory (config, metrics, weights).
+    run_dir: parent directory of the run's own directory (config, metrics, checkpoint, weights).
+    collective_timeout_s: the longest any wait on another worker may take; a worker silent for longer is
+    treated as lost.
+    checkpoint_every_steps / checkpoint_every_s: how often a checkpoint is written (None: never by that
+    rule); a run also keeps one when it ends. `workbench.resume(run_directory)` goes on from it.
+    min_workers: a run that loses workers goes on with the survivors from its last checkpoint, unless
+    fewer than this many are left.
+    auto_join: workers joining the cluster during the run are added to it (else: `run.add_workers()`).
     start: False returns the run unstarted, for `run.start()` later (or the panel's Start button).
     owner: who the run belongs to (default: the operating-system user); on a team dashboard with
     authentication, this user and the listed admins may control the run.
     In a notebook the run displays as its control panel.
     """
     run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
-              collective_timeout_s=collective_timeout_s, settings=settings, owner=owner)
+              collective_timeout_s=collective_timeout_s, settings=settings, owner=owner,
+              checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_s=checkpoint_every_s,
+              min_workers=min_workers, auto_join=auto_join)
+    if start:
+        run.start()
+    return run
+
+
+def resume(run_dir: str | Path, *, client: Client | None = None, workers: int | None = None,
+           job: Job | None = None, start: bool = True, **options: Any) -> Run:
+    """Go on with a stopped or crashed run from the checkpoint in its directory, on `workers` workers
+    (default: all of the cluster's; the same number or another). Its metrics continue in that directory.
+
+    job: the run's job, when the directory holds none (jobs whose data could not be saved with it).
+    options: train() options to change (collective_timeout_s, checkpoint_every_steps, min_workers, ...).
+    """
+    path = Path(run_dir) if isinstance(run_dir, (str, Path)) else None
+    if path is None or not path.is_dir():
+        raise ResumeError("run_dir", run_dir, "the directory of an earlier run (holding config.json)")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ResumeError("run_dir", str(run_dir), f"a run directory with a readable {CONFIG_FILE}",
+                          f"{type(error).__name__}: {error}") from None
+    saved = checkpoints.load(path)
+    if job is None:
+        try:
+            job = cloudpickle.loads((path / checkpoints.JOB_FILE).read_bytes())
+        except Exception as error:
+            raise ResumeError("job", None, f"the run's job, saved as {checkpoints.JOB_FILE} or passed as job=",
+                              f"Reading {path / checkpoints.JOB_FILE} failed ({type(error).__name__}); pass the "
+                              "Job that started the run") from None
+    if not isinstance(job, Job):
+        raise ConfigError("job", job, "a workbench.Job")
+    job.prepare()
+    torch.manual_seed(job.seed)
+    checkpoints.check_matches_model(saved, job.model(), str(path / checkpoints.CHECKPOINT_FILE))
+    known = {"collective_timeout_s", "checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
+             "owner"}
+    for key in options:
+        if key not in known:
+            raise ConfigError(key, options[key], f"one of {', '.join(sorted(known))}",
+                              "The strategy and its settings are the checkpoint's; switch() after resuming")
+    previous = config.get("fault_tolerance", {})
+    merged = {"collective_timeout_s": config.get("collective_timeout_s", 60.0),
+              "checkpoint_every_steps": previous.get("checkpoint_every_steps"),
+              "checkpoint_every_s": previous.get("checkpoint_every_s", 60.0),
+              "min_workers": previous.get("min_workers", 1), "auto_join": previous.get("auto_join", False),
+              "owner": config.get("owner"), **options}
+    run = Run(job, saved["strategy"], client=client, workers=workers, run_dir=path.parent, name=path.name,
+              settings=dict(saved["settings"]), resume_from=saved, **merged)
     if start:
         run.start()
     return run
 
 
 class Run:
-    """A training run: status, live metrics, control, and the trained model."""
+    """A training run: status, live metrics, control, checkpoints, and the trained model."""
 
     def __init__(self, job: Job, strategy: str, *, client: Client | None, workers: int | None,
                  run_dir: str | Path, name: str | None, collective_timeout_s: float,
                  settings: dict[str, Any], step_delays: dict[int, float] | None = None,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, checkpoint_every_steps: int | None = None,
+                 checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
+                 resume_from: dict[str, Any] | None = None) -> None:
         if owner is not None and (not isinstance(owner, str) or not owner.strip()):
             raise ConfigError("owner", owner, "a non-empty user name, or None for the operating-system user")
         self.owner = owner or _system_user()
@@ -106,20 +173,36 @@ class Run:
         self._name = name
         self._collective_timeout_s = collective_timeout_s
         self._step_delays = step_delays or {}
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.checkpoint_every_s = checkpoint_every_s
+        self.min_workers = min_workers
+        self.auto_join = auto_join
+        self._resume_from = resume_from
         self.client = client
         self.table = MetricsTable()
         self.status = "created"
         self.error: str | None = None
+        self.diverged = False
         self.total_steps = 0
+        self.generation = -1  # how many times the workers were regrouped (after a loss or a join)
         self.worker_addresses: list[str] = []
         self._futures: list[Any] = []
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._finished_workers: set[int] = set()
         self._events = threading.Condition()
         self._supervisor: threading.Thread | None = None
+        self._ended = threading.Event()  # set once the run has ended and everything is written
         self._prepared: PreparedJob | None = None
         self._panel: Any = None  # the notebook control panel, made when the run is first displayed
         self._requests: queue.SimpleQueue = queue.SimpleQueue()  # control requests from other clients
+        self._ready_checkpoints: queue.SimpleQueue = queue.SimpleQueue()  # rank 0 has one to fetch
+        self._membership_changes: queue.SimpleQueue = queue.SimpleQueue()  # from the scheduler
+        self.checkpoint_info: dict[str, Any] | None = None  # the newest checkpoint written: step, path, time
+        self._latest_checkpoint: dict[str, Any] | None = resume_from
+        self._lost: set[str] = set()  # addresses of the run's workers the scheduler removed
+        self._joined: list[str] = []  # workers that joined the cluster during the run
+        self._regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
+        self._stop_watching: Any = None
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -130,61 +213,135 @@ class Run:
         prepared = self._prepared = self.job.prepare()
         strategy_class = get_strategy(self.strategy)
         settings = make_settings(self.strategy, self._settings_values)
-        if not isinstance(self._collective_timeout_s, (int, float)) or not self._collective_timeout_s > 0:
-            raise ConfigError("collective_timeout_s", self._collective_timeout_s, "a number of seconds > 0")
+        self._check_fault_tolerance_options()
         client = self.client = self._resolve_client(self.client)
-        addresses = self.worker_addresses = self._choose_workers(client)
-        world_size = len(addresses)
-        strategy_class.check_world(settings, world_size)
+        addresses = self._choose_workers(client)
+        if self.min_workers > len(addresses):
+            raise ConfigError("min_workers", self.min_workers, f"at most {len(addresses)}, the run's workers")
+        strategy_class.check_world(settings, len(addresses))
+        self._check_batch_fits(prepared, addresses)
 
+        resumed = self._resume_from is not None
+        self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
+                                     f"{uuid.uuid4().hex[:6]}")
+        self.directory = RunDirectory(Path(self._run_root) / self.run_id)
+        if resumed:  # the earlier history first, so that views of this run show all of it
+            self.table.add(read_metrics(self.directory.path))
+        self.config = {
+            "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
+            "job": prepared.job.describe(), "workers": addresses, "world_size": len(addresses),
+            "parameters": prepared.n_parameters, "scheduler": client.scheduler.address,
+            "started": time.time(), "owner": self.owner, "directory": str(self.directory.path.resolve()),
+            "collective_timeout_s": self._collective_timeout_s,
+            "fault_tolerance": {"checkpoint_every_steps": self.checkpoint_every_steps,
+                                "checkpoint_every_s": self.checkpoint_every_s, "min_workers": self.min_workers,
+                                "auto_join": self.auto_join},
+        }
+        if resumed:
+            self.config["resumed_from_step"] = self._resume_from["step"]
+        self.directory.write_json(CONFIG_FILE, self.config)
+        if not resumed:
+            self._save_job()
+        self.directory.append([{"kind": "run-resumed" if resumed else "run-started", "time": time.time(),
+                                "strategy": self.strategy, "settings": dataclasses.asdict(settings),
+                                **({"from_step": self._resume_from["step"]} if resumed else {})}])
+
+        client.subscribe_topic(topic(self.run_id), self._on_message)
+        client.subscribe_topic(requests_topic(self.run_id), self._on_request)
+        lr = self._resume_from["lr"] if resumed else self.job.lr
+        self._control = ControlWriter(client, self.run_id, ControlState(
+            lr=lr, strategy=self.strategy, settings=dataclasses.asdict(settings)))
+        self._stop_watching = membership.watch(client, self._on_membership)
+        self._launch(addresses, self._resume_from)
+        self.config.update(shard_samples=self.shard_samples, total_steps=self.total_steps)
+        self.directory.write_json(CONFIG_FILE, self.config)
+        self.status = "running"
+        self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
+        for target, purpose in ((self._serve_requests, "requests"), (self._write_checkpoints, "checkpoints")):
+            threading.Thread(target=target, name=f"workbench-{purpose}-{self.run_id}", daemon=True).start()
+        self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
+        self._supervisor.start()
+
+    def _check_fault_tolerance_options(self) -> None:
+        if not isinstance(self._collective_timeout_s, (int, float)) or isinstance(self._collective_timeout_s, bool) \
+                or not math.isfinite(self._collective_timeout_s) or not self._collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s", self._collective_timeout_s, "a finite number of seconds > 0")
+        steps = self.checkpoint_every_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError("checkpoint_every_steps", steps, "an integer >= 1, or None for no step-based checkpoints")
+        seconds = self.checkpoint_every_s
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not math.isfinite(seconds) or seconds <= 0):
+            raise ConfigError("checkpoint_every_s", seconds, "a finite number of seconds > 0, or None")
+        if isinstance(self.min_workers, bool) or not isinstance(self.min_workers, int) or self.min_workers < 1:
+            raise ConfigError("min_workers", self.min_workers, "an integer >= 1")
+        if not isinstance(self.auto_join, bool):
+            raise ConfigError("auto_join", self.auto_join, "True or False")
+
+    def _check_batch_fits(self, prepared: PreparedJob, addresses: list[str]) -> None:
+        if isinstance(prepared.train, DaskArrayData):
+            return  # shards follow where the blocks are; checked when they are placed
+        shard_samples = shard_size(len(prepared.train), len(addresses))
+        if prepared.job.batch_size > shard_samples:
+            raise ConfigError("batch_size", prepared.job.batch_size,
+                              f"at most {shard_samples}, the samples in each of the {len(addresses)} workers' "
+                              "shards", "Lower batch_size or use fewer workers")
+
+    def _save_job(self) -> None:
+        """The job beside its checkpoint, so that `resume(run_dir)` needs nothing else (when it fits)."""
+        try:
+            pickled = cloudpickle.dumps(self.job)
+        except Exception:
+            return  # resume() then asks for job=
+        if len(pickled) <= MAX_SAVED_JOB_BYTES:
+            atomic_write(self.directory.path / checkpoints.JOB_FILE, lambda handle: handle.write(pickled))
+
+    def _launch(self, addresses: list[str], checkpoint: dict[str, Any] | None) -> None:
+        """Start one group of workers (a generation) from `checkpoint`, or from the job's initial weights."""
+        client, prepared = self.client, self._prepared
+        self.generation += 1
+        self._finished_workers = set()
+        world_size = len(addresses)
         train_payload, shard_samples, local = self._place_training_data(client, prepared.train, addresses)
         if prepared.job.batch_size > shard_samples:
             raise ConfigError("batch_size", prepared.job.batch_size,
                               f"at most {shard_samples}, the samples in each of the {world_size} workers' shards",
                               "Lower batch_size or use fewer workers")
-        self.total_steps = prepared.total_steps(shard_samples)
-
-        self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
-                                     f"{uuid.uuid4().hex[:6]}")
-        self.directory = RunDirectory(Path(self._run_root) / self.run_id)
-        self.config = {
-            "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
-            "job": prepared.job.describe(), "workers": addresses, "world_size": world_size,
-            "shard_samples": shard_samples, "total_steps": self.total_steps,
-            "parameters": prepared.n_parameters, "scheduler": client.scheduler.address,
-            "started": time.time(), "owner": self.owner, "directory": str(self.directory.path.resolve()),
-        }
-        self.directory.write_json(CONFIG_FILE, self.config)
-        self.directory.append([{"kind": "run-started", "time": time.time(), "strategy": self.strategy,
-                                "settings": dataclasses.asdict(settings)}])
-
-        client.subscribe_topic(topic(self.run_id), self._on_message)
-        client.subscribe_topic(requests_topic(self.run_id), self._on_request)
-        self._control = ControlWriter(client, self.run_id, ControlState(
-            lr=self.job.lr, strategy=self.strategy, settings=dataclasses.asdict(settings)))
+        self.total_steps, self.shard_samples = prepared.total_steps(shard_samples), shard_samples
+        state = self._control.state
+        settings = make_settings(state.strategy, state.settings)
+        # A new group starts with the run's current learning rate, strategy and settings.
+        job = dataclasses.replace(self.job, lr=state.lr if state.lr is not None else self.job.lr)
+        ranks = (checkpoint or {}).get("ranks") or []
+        same_world = len(ranks) == world_size
+        saved = client.scatter(checkpoint, workers=addresses, broadcast=True, hash=False) if checkpoint else None
         # Every run has a process group (see worker.py), on a port free on rank 0's machine.
         host = get_address_host(addresses[0])
         port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
         eval_payload = self._scatter(client, prepared.evaluation, addresses[:1])
+        launch = uuid.uuid4().hex[:6]  # task keys never repeat, even for a run resumed under its old id
+        futures = []
         for rank, address in enumerate(addresses):
+            start_step = (ranks[rank]["step"] if same_world else checkpoint["step"]) if checkpoint else 0
             task = WorkerTask(
-                run_id=self.run_id, rank=rank, world_size=world_size, job=self.job, strategy=self.strategy,
+                run_id=self.run_id, rank=rank, world_size=world_size, job=job, strategy=state.strategy,
                 settings=settings, shard_samples=shard_samples, total_steps=self.total_steps,
                 local_data=local, master_host=host, master_port=port,
                 collective_timeout_s=self._collective_timeout_s, addresses=addresses,
-                step_delay_s=self._step_delays.get(rank, 0.0),
+                step_delay_s=self._step_delays.get(rank, 0.0), generation=self.generation,
+                start_step=start_step, checkpoint_every_steps=self.checkpoint_every_steps,
             )
             data = train_payload[address] if local else train_payload
-            self._futures.append(client.submit(
-                train_on_worker, task, data, eval_payload if rank == 0 else None,
-                key=f"workbench-{self.run_id}-rank-{rank}", workers=[address], allow_other_workers=False,
-                pure=False, retries=0,
+            futures.append(client.submit(
+                train_on_worker, task, data, eval_payload if rank == 0 else None, saved,
+                key=f"workbench-{self.run_id}-g{self.generation}-{launch}-rank-{rank}", workers=[address],
+                allow_other_workers=False, pure=False, retries=0,
             ))
-        self.status = "running"
-        self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
-        threading.Thread(target=self._serve_requests, name=f"workbench-requests-{self.run_id}", daemon=True).start()
-        self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
-        self._supervisor.start()
+        self._futures, self.worker_addresses = futures, list(addresses)
+        self._next_checkpoint_time = time.monotonic() + (self.checkpoint_every_s or math.inf)
+        self._publish({"kind": "generation-started", "time": time.time(), "generation": self.generation,
+                       "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
+                       "total_steps": self.total_steps})
 
     def _resolve_client(self, client: Client | None) -> Client:
         if client is not None:
@@ -249,10 +406,47 @@ class Run:
         records = expand(message)
         self.table.add(records)
         self.directory.append(records)
+        kind = message.get("kind")
+        if kind == "checkpoint-ready":
+            self._ready_checkpoints.put(message)
         with self._events:  # wakes `wait_for_step`, `wait_for_event` and the supervisor
-            if message.get("kind") in ("worker-finished", "worker-failed"):
+            if kind in ("worker-finished", "worker-failed", "worker-left") \
+                    and message.get("generation", self.generation) == self.generation:
                 self._finished_workers.add(message["rank"])
             self._events.notify_all()
+
+    def _publish(self, message: dict[str, Any]) -> None:
+        """A record of the client's own (a lost worker, a regroup, a checkpoint) on the run's topic, so that
+        the run directory and every viewer get it; kept here directly when the scheduler is unreachable."""
+        try:
+            self.client.log_event(topic(self.run_id), message)
+        except Exception:
+            self._on_message((time.time(), message))
+
+    def _on_membership(self, action: str, address: str) -> None:
+        # On the client's event loop, where the blocking client calls of publishing cannot run: the
+        # supervisor takes the change at its next tick.
+        self._membership_changes.put((action, address, time.time()))
+
+    def _take_membership_changes(self) -> None:
+        """Note workers the scheduler removed (lost, if they were training) or added (joined)."""
+        while True:
+            try:
+                action, address, when = self._membership_changes.get_nowait()
+            except queue.Empty:
+                return
+            if action == "remove-worker" and address in self.worker_addresses and address not in self._lost:
+                self._record_lost(address, when, "the scheduler removed the worker")
+            elif action == "add-worker" and address not in self.worker_addresses:
+                self._joined.append(address)
+                self._publish({"kind": "worker-joined", "time": when, "address": address, "added": self.auto_join})
+
+    def _record_lost(self, address: str, when: float, reason: str) -> None:
+        self._lost.add(address)
+        rank = self.worker_addresses.index(address)
+        last = self.table.last_steps().get(rank, {})
+        self._publish({"kind": "worker-lost", "time": when, "rank": rank, "address": address,
+                       "generation": self.generation, "step": last.get("step"), "reason": reason})
 
     def _supervise(self) -> None:
         try:
@@ -260,49 +454,231 @@ class Run:
         except BaseException as error:  # never leave the run looking alive when supervision itself broke
             self.error = f"supervising the run failed: {type(error).__name__}: {error}"
             self.status = "failed"
+            self._end_group()
             raise
         finally:
             self._requests.put(None)  # ends the thread serving other clients' control requests
+            self._ready_checkpoints.put(None)  # and the one writing checkpoints
+            if self._stop_watching is not None:
+                self._stop_watching()
+            self._ended.set()
 
     def _supervise_tasks(self) -> None:
-        futures = self._futures
-        FutureWatch(futures).wait(until_first_error=True)
-        if any(f.status == "error" for f in futures):
-            # Stop the others cooperatively; ones blocked in a collective fail when the peer leaves.
-            self._control.update(stop=True)
-            FutureWatch(futures).wait(timeout=self._collective_timeout_s + 30)
-        errors = []
-        for rank, future in enumerate(futures):
-            if future.status == "error":
-                exception, tb = future.exception(), future.traceback()
-                errors.append(f"worker {rank} ({self.worker_addresses[rank]}) failed: "
-                              f"{type(exception).__name__}: {exception}\n"
-                              + ("".join(traceback.format_tb(tb)) if tb else ""))
-            elif future.status == "finished":
-                result = future.result()
-                if result["state_dict"] is not None:
-                    self._state_dict = result["state_dict"]
+        """Watch one group of workers after another until the run ends."""
+        while True:
+            following = self._watch_group()
+            if following is None:
+                return
+            addresses, checkpoint = following
+            self._launch(addresses, checkpoint)
+
+    def _watch_group(self) -> tuple[list[str], dict[str, Any] | None] | None:
+        """Wait for the current group of workers; returns the workers and checkpoint to go on with, or
+        None once the run has ended (its status set)."""
+        futures, addresses = self._futures, list(self.worker_addresses)
+        watch = FutureWatch(futures)
+        while not watch.wait(until_first_error=True, timeout=SUPERVISION_TICK_S):
+            self._take_membership_changes()
+            if self._lost & set(addresses):
+                break
+            self._request_checkpoint_when_due()
+            if self.auto_join and self._joined and self._regroup_to is None and self.status == "running":
+                self._try_add_workers(list(self._joined), automatic=True)
+        failed = any(f.status == "error" for f in futures) or bool(self._lost & set(addresses))
+        if failed:
+            return self._after_failure(futures, addresses)
+        results = [f.result() for f in futures]
         with self._events:  # the workers' last metrics may trail their results by a moment
             self._events.wait_for(lambda: len(self._finished_workers) >= len(futures), timeout=5)
+        final = results[0].get("checkpoint")
+        if final is not None:
+            self._store_checkpoint(final)
+        if self._regroup_to is not None and any(r["stopped"] for r in results):
+            following, self._regroup_to = self._regroup_to, None
+            self._control.update(stop=False, regroup=False)
+            self._publish({"kind": "regrouped", "time": time.time(), "generation": self.generation + 1,
+                           "workers": following, "reason": "workers joined", "from_step": final["step"]})
+            return following, final
+        self._state_dict = results[0]["state_dict"]
+        stopped = any(r["stopped"] for r in results)
+        self._end_run("stopped" if stopped else "finished")
+        return None
+
+    def _after_failure(self, futures: list[Any], addresses: list[str]) -> tuple[list[str], dict[str, Any]] | None:
+        """A worker failed or was lost: end the group; go on with the survivors if workers were lost."""
+        self._end_group()
+        # Workers leave at their next step or as their peers' connections close; one still busy after a
+        # whole timeout more is stuck (in user code, say) and counts as lost.
+        settled = FutureWatch(futures).wait(timeout=self._collective_timeout_s)
+        self._take_membership_changes()
+        present = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        lost = set()
+        for future, address in zip(futures, addresses):
+            if address in self._lost:
+                lost.add(address)
+            elif address not in present or (future.status == "error"
+                                             and isinstance(future.exception(), KilledWorker)):
+                lost.add(address)
+                self._record_lost(address, time.time(), "its worker process died")
+            elif not future.done():  # stuck past every timeout: treated as lost
+                lost.add(address)
+                self._record_lost(address, time.time(), f"stuck: no answer within {self._collective_timeout_s:g} s")
+        if not settled:
+            self.client.cancel([f for f in futures if not f.done()], force=True)
+        if not lost:
+            self._fail(futures, addresses)
+            return None
+        survivors = [a for a in addresses if a not in lost and a in present]
+        checkpoint = self._latest_checkpoint
+        from_step = checkpoint["step"] if checkpoint else 0
+        where = (f"the last checkpoint (step {from_step}) is kept at {self.checkpoint_info['path']}"
+                 if self.checkpoint_info else "no checkpoint was written yet")
+        if len(survivors) < self.min_workers:
+            self.error = (f"lost worker(s) {', '.join(sorted(lost))}; {len(survivors)} left, fewer than "
+                          f"min_workers={self.min_workers}, so the run stopped; {where}. Resume it with "
+                          f"workbench.resume({str(self.directory.path)!r}) once workers are back")
+            self._end_run("failed")
+            return None
+        if self.status == "paused":
+            pass  # the new group pauses at its first agreement: the control state still says paused
+        self._control.update(stop=False, regroup=False)
+        self._publish({"kind": "regrouped", "time": time.time(), "generation": self.generation + 1,
+                       "workers": survivors, "lost": sorted(lost), "from_step": from_step,
+                       "reason": "workers lost"})
+        return survivors, checkpoint
+
+    def _end_group(self) -> None:
+        """Tell every worker of the current group to leave at once (no final synchronisation)."""
+        try:
+            self._control.update(generation=self.generation + 1)
+        except Exception:  # the scheduler may be gone; the workers then leave as their tasks are released
+            pass
+
+    def _fail(self, futures: list[Any], addresses: list[str]) -> None:
+        errors, diverged = [], None
+        for rank, future in enumerate(futures):
+            if future.status != "error":
+                continue
+            exception, tb = future.exception(), future.traceback()
+            if isinstance(exception, DivergenceError) and diverged is None:
+                diverged = str(exception)
+            errors.append(f"worker {rank} ({addresses[rank]}) failed: {type(exception).__name__}: {exception}\n"
+                          + ("".join(traceback.format_tb(tb)) if tb else ""))
+        # The first worker to fail says why; the others mostly failed because it left.
+        errors.sort(key=lambda text: "Connection closed by peer" in text or "Connection reset" in text)
+        if diverged is not None:
+            self.diverged = True
+            kept = (f" The last good checkpoint (step {self.checkpoint_info['step']}) is kept at "
+                    f"{self.checkpoint_info['path']}." if self.checkpoint_info else " No checkpoint was written before.")
+            self.error = diverged + kept
+        else:
+            self.error = "\n".join(errors) or "the workers ended without a result"
+        self._end_run("failed")
+
+    def _end_run(self, status: str) -> None:
+        with self._events:  # the workers' last metrics may trail their results by a moment
+            self._events.wait_for(lambda: len(self._finished_workers) >= len(self._futures), timeout=2)
         for name in (topic(self.run_id), requests_topic(self.run_id)):
             try:
                 self.client.unsubscribe_topic(name)
             except Exception:
                 pass
         self._control.delete()
-        if errors:
-            self.error = "\n".join(errors)
-            self.status = "failed"
-        else:
-            stopped = any(f.result()["stopped"] for f in futures)
-            self.status = "stopped" if stopped else "finished"
-            if self._state_dict is not None:
-                self.directory.save_model(self._state_dict)
+        self.status = status
+        if status != "failed" and self._state_dict is not None:
+            self.directory.save_model(self._state_dict)
         self.directory.append([{"kind": f"run-{self.status}", "time": time.time(), "error": self.error}])
         summary = self.summary()
         self.directory.write_json(SUMMARY_FILE, summary)
         self.directory.close()
         self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def _request_checkpoint_when_due(self) -> None:
+        """Ask the workers for a checkpoint every `checkpoint_every_s` seconds (those every
+        `checkpoint_every_steps` steps they take on their own, at exactly those steps)."""
+        if self.status != "running" or self._regroup_to is not None:
+            return
+        if time.monotonic() >= self._next_checkpoint_time:
+            self._next_checkpoint_time = time.monotonic() + (self.checkpoint_every_s or math.inf)
+            self._control.update(checkpoint_id=self._control.state.checkpoint_id + 1)
+
+    def checkpoint(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Take a checkpoint now (all workers at one step) and return where it was written."""
+        self._require_running()
+        before = self.checkpoint_info["written"] if self.checkpoint_info else 0.0
+        self._control.update(checkpoint_id=self._control.state.checkpoint_id + 1)
+        self._wait_for(lambda: self.checkpoint_info is not None and self.checkpoint_info["written"] > before,
+                       timeout, "a new checkpoint")
+        return dict(self.checkpoint_info)
+
+    def _write_checkpoints(self) -> None:
+        """Fetch each checkpoint rank 0 has left and write it; a thread, since fetching waits on a worker."""
+        while (message := self._ready_checkpoints.get()) is not None:
+            if message.get("generation") != self.generation or not self._futures:
+                continue
+            address = self.worker_addresses[0]
+            try:
+                fetched = self.client.submit(checkpoints.take_snapshot, self.run_id, workers=[address],
+                                             allow_other_workers=False, pure=False)
+                checkpoint = fetched.result(timeout=self._collective_timeout_s)
+            except Exception:
+                continue  # rank 0 was lost with it: the previous checkpoint stands
+            if checkpoint is not None:
+                self._store_checkpoint(checkpoint)
+
+    def _store_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Write a checkpoint atomically unless it holds NaN or infinity (the last good one is kept)."""
+        if not checkpoints.all_finite(checkpoint["weights"]):
+            self._publish({"kind": "checkpoint-refused", "time": time.time(), "step": checkpoint["step"],
+                           "reason": "non-finite weights"})
+            return
+        current = self._latest_checkpoint
+        if current is not None and current is not checkpoint and current.get("generation", -1) == checkpoint.get(
+                "generation") and current["step"] > checkpoint["step"]:
+            return  # an older one fetched late
+        path = self.directory.path / checkpoints.CHECKPOINT_FILE
+        checkpoints.save(path, checkpoint)
+        self._latest_checkpoint = checkpoint
+        self.checkpoint_info = {"step": checkpoint["step"], "path": str(path), "written": time.time(),
+                                "generation": checkpoint.get("generation")}
+        self._publish({"kind": "checkpoint", "time": time.time(), "step": checkpoint["step"], "path": str(path),
+                       "generation": checkpoint.get("generation"), "final": checkpoint.get("final", False)})
+
+    # --- joining workers ------------------------------------------------------------------------------
+
+    def add_workers(self, addresses: list[str] | None = None) -> list[str]:
+        """Add workers that joined the cluster (default: all not training in this run). The run takes a
+        checkpoint at one step, ends the current group and goes on with the larger one: the new workers
+        get the current weights and their shard of the data. Returns the workers the run goes on with."""
+        self._require_running()
+        return self._try_add_workers(addresses, automatic=False)
+
+    def _try_add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
+        present = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        if addresses is None:
+            addresses = [a for a in present if a not in self.worker_addresses]
+        unknown = [a for a in addresses if a not in present]
+        if unknown:
+            raise ConfigError("addresses", unknown, "addresses of workers in the cluster", f"It has {present}")
+        new = [a for a in addresses if a not in self.worker_addresses]
+        self._joined = [a for a in self._joined if a not in addresses]
+        if not new:
+            return list(self.worker_addresses)
+        following = list(self.worker_addresses) + new
+        try:
+            settings = make_settings(self._control.state.strategy, self._control.state.settings)
+            get_strategy(self._control.state.strategy).check_world(settings, len(following))
+            self._check_batch_fits(self._prepared, following)
+        except ConfigError as error:
+            if not automatic:
+                raise
+            self._publish({"kind": "join-refused", "time": time.time(), "workers": new, "reason": str(error)})
+            return list(self.worker_addresses)
+        self._regroup_to = following
+        self._control.update(stop=True, regroup=True)
+        return following
 
     # --- the cluster-wide registry and requests from other clients ------------------------------------
 
@@ -357,17 +733,38 @@ class Run:
         """Block until the run ends (or `timeout` seconds pass: TimeoutError); raise TrainingError if it failed."""
         if self._supervisor is None:
             raise TrainingError("the run was never started")
-        self._supervisor.join(timeout)
-        if self._supervisor.is_alive():
+        try:
+            # An Event, not Thread.join: a join interrupted by Ctrl-C can leave the thread looking ended.
+            self._ended.wait(timeout)
+        except KeyboardInterrupt:
+            # Interrupting the wait (Ctrl-C, the notebook's stop button) ends the run: workers stop
+            # cleanly if they can, else leave at once; nothing keeps training behind the user's back.
+            self.interrupt()
+            raise
+        if not self._ended.is_set():
             raise TimeoutError(f"run {self.run_id} still {self.status} after {timeout} s")
         if self.status == "failed":
-            raise TrainingError(f"run {self.run_id} failed:\n{self.error}")
+            error_type = DivergenceError if self.diverged else TrainingError
+            raise error_type(f"run {self.run_id} failed:\n{self.error}")
+        return self.status
+
+    def interrupt(self, grace_s: float | None = None) -> str:
+        """Stop the run now: cleanly within `grace_s` (default: the collective timeout), else end the
+        workers' tasks at once. Returns the final status."""
+        if self._supervisor is None or self.done:
+            return self.status
+        grace_s = self._collective_timeout_s if grace_s is None else grace_s
+        self.stop()
+        if not self._ended.wait(grace_s):
+            self._regroup_to = None
+            self._end_group()
+            self._ended.wait(self._collective_timeout_s + 35)
         return self.status
 
     def wait_for_step(self, step: int, timeout: float = 60.0) -> None:
         """Block until every worker has trained past `step` (or the run ended: TrainingError)."""
         def reached() -> bool:
-            latest = self.table.last_steps()
+            latest = self._current_last_steps()
             return len(latest) == len(self.worker_addresses) and min(r["step"] for r in latest.values()) >= step
 
         self._wait_for(reached, timeout, f"every worker past step {step}")
@@ -392,6 +789,11 @@ class Run:
                 if remaining <= 0:
                     raise TimeoutError(f"run {self.run_id}: still waiting for {what} after {timeout} s")
                 self._events.wait(min(remaining, 0.5))
+
+    def _current_last_steps(self) -> dict[int, dict[str, Any]]:
+        """The latest step record of each rank of the current group of workers."""
+        return {rank: record for rank, record in self.table.last_steps().items()
+                if rank is not None and rank < len(self.worker_addresses)}
 
     def _require_running(self) -> None:
         """Refuse a control action on a run that has not started or has ended."""
@@ -496,7 +898,7 @@ class Run:
 
     def progress(self) -> float:
         """Fraction of the planned steps done by the slowest worker."""
-        latest = self.table.last_steps()
+        latest = self._current_last_steps()
         if not latest or not self.total_steps:
             return 0.0
         done = min(r["step"] + 1 for r in latest.values()) if len(latest) == len(self.worker_addresses) else 0
@@ -564,7 +966,9 @@ class Run:
         if strategy is None:
             strategy, settings = self.strategy, {**self.settings, **settings}
         return train(self.job, strategy, client=self.client, workers=self._requested_workers,
-                     run_dir=self._run_root, collective_timeout_s=self._collective_timeout_s, **settings)
+                     run_dir=self._run_root, collective_timeout_s=self._collective_timeout_s,
+                     checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
+                     min_workers=self.min_workers, auto_join=self.auto_join, **settings)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         """In a notebook a run shows as its control panel (`widgets.ControlPanel`), found by name at

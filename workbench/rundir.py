@@ -39,7 +39,7 @@ class RunDirectory:
         self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
 
     def write_json(self, name: str, value: Any) -> None:
-        _atomic_write(self.path / name, lambda f: f.write(json.dumps(value, indent=2, default=str).encode()))
+        atomic_write(self.path / name, lambda f: f.write(json.dumps(value, indent=2, default=str).encode()))
 
     def append(self, records: Iterable[dict[str, Any]]) -> None:
         lines = "".join(json.dumps(record, default=str) + "\n" for record in records)
@@ -50,7 +50,7 @@ class RunDirectory:
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> Path:
         target = self.path / MODEL_FILE
-        _atomic_write(target, lambda f: torch.save(state_dict, f))
+        atomic_write(target, lambda f: torch.save(state_dict, f))
         return target
 
     def close(self) -> None:
@@ -70,7 +70,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def _atomic_write(target: Path, write) -> None:
+def atomic_write(target: Path, write) -> None:
     descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "wb") as handle:

@@ -53,14 +53,15 @@ class ParameterShard:
     """Dask actor holding one range of the global parameters and the server-side optimizer over it."""
 
     def __init__(self, index: int, weights: torch.Tensor, job: Job, workers: list[int],
-                 staleness_aware_lr: bool = False, optimizer_state: dict[str, Any] | None = None) -> None:
+                 staleness_aware_lr: bool = False, optimizer_state: dict[str, Any] | None = None,
+                 version: int = 0) -> None:
         self.index = index
         self.parameter = torch.nn.Parameter(weights.detach().clone().float(), requires_grad=False)
         self.optimizer = make_optimizer(job, [self.parameter])
         # After a live switch the server goes on with the optimizer state the workers had.
         load_flat_optimizer_state(self.optimizer, optimizer_state or {})
         self.staleness_aware_lr = staleness_aware_lr
-        self.book = ServerBook(workers)
+        self.book = ServerBook(workers, version)
         # Elastic averaging: the server's copy of each worker's weights, kept equal to the worker's own
         # copy by applying the same decoded updates on both sides (so only compressed deltas travel).
         self.mirrors: dict[int, torch.Tensor] = {}
@@ -184,18 +185,21 @@ class ServerHandle:
         for future in self.futures:
             future.release()
         self.futures.clear()
+        # Actor handles hold futures of their own: a handle kept alive elsewhere (a failing call's
+        # traceback, say) must not keep the shards alive.
+        self.actors.clear()
 
 
 def start_parameter_server(client: Any, run_id: str, addresses: list[str], weights: torch.Tensor, job: Job,
                            shards: int, world_size: int, staleness_aware_lr: bool,
-                           optimizer_state: dict[str, Any] | None = None) -> ServerHandle:
+                           optimizer_state: dict[str, Any] | None = None, version: int = 0) -> ServerHandle:
     """Create `shards` actors over contiguous ranges of `weights` (and of the optimizer state, when one is
     carried over), spread over the run's workers."""
     ranges = split_ranges(weights.numel(), shards)
     state = optimizer_state or {}
     futures = [
         client.submit(ParameterShard, index, weights[start:stop].clone(), job, list(range(world_size)),
-                      staleness_aware_lr, slice_optimizer_state(state, start, stop),
+                      staleness_aware_lr, slice_optimizer_state(state, start, stop), version,
                       actor=True, workers=[addresses[index % len(addresses)]],
                       allow_other_workers=False, pure=False, key=f"workbench-{run_id}-server-{index}-{uuid.uuid4().hex[:8]}")
         for index, (start, stop) in enumerate(ranges)
@@ -214,9 +218,11 @@ class Call:
     round-trip time is exact even when the training thread collects the result later.
     """
 
-    def __init__(self, futures: list[Any], loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, futures: list[Any], loop: asyncio.AbstractEventLoop | None,
+                 abandoned: Callable[[], bool] = lambda: False) -> None:
         self.started = time.perf_counter()
         self._futures = futures
+        self._abandoned = abandoned
         self._done: ConcurrentFuture | None = None
         if loop is not None:
             self._done = asyncio.run_coroutine_threadsafe(self._gather(), loop)
@@ -233,19 +239,34 @@ class Call:
         """(replies of all shards, seconds from start to the last reply)."""
         try:
             if self._done is not None:
-                replies, finished = self._done.result(timeout_s)
+                replies, finished = self._wait_in_slices(timeout_s)
             else:
                 replies, finished = [future.result(timeout_s) for future in self._futures], time.perf_counter()
         except TimeoutError:
             raise TrainingError(f"the parameter server did not answer within {timeout_s} s") from None
         return replies, finished - self.started
 
+    def _wait_in_slices(self, timeout_s: float) -> tuple[list[Any], float]:
+        # A shard on a lost worker may never answer: the group is ended then, and the wait with it.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._done.result(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if self._abandoned():
+                    raise TrainingError("the run's group of workers was ended while waiting for the parameter "
+                                        "server") from None
+
 
 class ServerClient:
     """A worker's (or the client's) view of the sharded server."""
 
-    def __init__(self, handle: ServerHandle, timeout_s: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, handle: ServerHandle, timeout_s: float, loop: asyncio.AbstractEventLoop | None = None,
+                 abandoned: Callable[[], bool] = lambda: False) -> None:
         self.actors, self.ranges, self.timeout_s, self._loop = handle.actors, handle.ranges, timeout_s, loop
+        self._abandoned = abandoned
 
     def split(self, vector: torch.Tensor) -> list[torch.Tensor]:
         return [vector[start:stop] for start, stop in self.ranges]
@@ -305,7 +326,7 @@ class ServerClient:
         return replies
 
     def _call(self, method: Callable[[Any, int], Any]) -> Call:
-        return Call([method(actor, index) for index, actor in enumerate(self.actors)], self._loop)
+        return Call([method(actor, index) for index, actor in enumerate(self.actors)], self._loop, self._abandoned)
 
 
 def merge_replies(replies: list[Reply]) -> Reply:

@@ -36,9 +36,9 @@ def ssp_allows(clock: int, clocks: Iterable[int], max_staleness: int) -> bool:
 class ServerBook:
     """Versions, fetches and clocks of one parameter-server shard; safe to call from several threads."""
 
-    def __init__(self, workers: Iterable[int] = ()) -> None:
+    def __init__(self, workers: Iterable[int] = (), version: int = 0) -> None:
         self._lock = threading.Lock()
-        self.version = 0
+        self.version = version  # a resumed run's server goes on counting where it stopped
         self.fetched: dict[int, int] = {}  # worker -> version it last fetched
         self.clocks: dict[int, int] = {}  # active worker -> completed windows
         self.finished: set[int] = set()

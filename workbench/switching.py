@@ -10,6 +10,9 @@ all-gather of every worker's `Position`. Each call on one worker meets exactly o
   largest step any worker has reached (the others train up to it first, under the old strategy);
 - otherwise, once every worker is at its end, finish.
 
+A checkpoint asked for by the client (its `checkpoint_id` above the one the workers know) is taken by
+every worker at the same largest step, the same way.
+
 The newest control state (highest version) decides, so every worker uses the same strategy and settings
 even if some read an older state before a late change.
 """
@@ -52,6 +55,7 @@ class Decision:
     target_step: int
     all_at_end: bool
     newest: dict[str, Any]  # the newest control state any worker had read
+    checkpoint: int | None = None  # a checkpoint asked for, taken by all workers at `target_step`
 
     @property
     def finished(self) -> bool:
@@ -59,7 +63,7 @@ class Decision:
         return self.all_at_end and self.switch is None
 
 
-def decide(positions: list[Position], applied_switch_id: int) -> Decision:
+def decide(positions: list[Position], applied_switch_id: int, known_checkpoint_id: int = 0) -> Decision:
     """The one decision every worker takes from the same gathered positions."""
     if not positions:
         raise ValueError("a rendezvous needs the position of at least one worker")
@@ -68,5 +72,7 @@ def decide(positions: list[Position], applied_switch_id: int) -> Decision:
     switch = None
     if not stop and newest.get("switch_id", 0) > applied_switch_id:
         switch = SwitchRequest(newest["switch_id"], newest["strategy"], dict(newest.get("settings", {})))
+    checkpoint = newest.get("checkpoint_id", 0)
     return Decision(stop=stop, switch=switch, target_step=max(p.step for p in positions),
-                    all_at_end=all(p.at_end for p in positions), newest=newest)
+                    all_at_end=all(p.at_end for p in positions), newest=newest,
+                    checkpoint=checkpoint if checkpoint > known_checkpoint_id else None)

@@ -19,13 +19,15 @@ from distributed import get_client, get_worker, secede
 
 from . import collectives
 from .averaging import fingerprint, flatten
+from .checkpoint import all_finite, data_position, leave_snapshot
 from .control import ControlPoller, ControlState
 from .data import DataSource, Shard, concatenate_blocks
-from .errors import TrainingError
+from .errors import DivergenceError, TrainingError
 from .evaluation import evaluate
 from .job import Job, loss_function
 from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy, make_settings
+from .strategies.base import Carried
 from .switching import Decision, Position, SwitchRequest, decide
 
 PAUSE_POLL_S = 0.25
@@ -56,36 +58,66 @@ class WorkerTask:
     addresses: list[str] = dataclasses.field(default_factory=list)  # the run's workers, by rank
     metrics_interval_s: float = 0.25
     step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
+    generation: int = 0  # which group of workers this is (see `ControlState.generation`)
+    start_step: int = 0  # steps already made, when resuming from a checkpoint
+    checkpoint_every_steps: int | None = None  # process-group strategies checkpoint at these steps exactly
 
 
 class _StopRequested(Exception):
     pass
 
 
-def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
-    """Run one rank of a job to its end; returns the rank's summary (and the final weights on rank 0)."""
+class _Superseded(Exception):
+    """The client ended this group of workers (a worker was lost, or the client is gone): leave at once."""
+
+
+def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | None,
+                    resume_from: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one rank of a job to its end; returns the rank's summary (and, on rank 0, the final weights
+    and a checkpoint to go on from)."""
     secede()
     worker = get_worker()
     _configure_worker_for_training(worker)
     sender = MetricsSender(lambda message: worker.log_event(topic(task.run_id), message), task.rank,
                            task.metrics_interval_s)
-    poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S)
+    key = worker.get_current_task()
+    # A task the scheduler no longer wants (its client is gone) is told so through its state here.
+    poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S,
+                           released=lambda: _task_released(worker, key))
     loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender)
     try:
-        sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname())
-        result = loop.run(train_data, eval_data)
+        sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname(),
+                     generation=task.generation, start_step=task.start_step)
+        result = loop.run(train_data, eval_data, resume_from)
         sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"])
         return result
+    except _Superseded:
+        loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
+        sender.event("worker-left", step=loop.step, generation=task.generation)
+        return {"rank": task.rank, "steps": loop.step, "stopped": True, "superseded": True, "state_dict": None,
+                "checkpoint": None}
     except BaseException as error:
+        if loop.superseded():  # failing because the group is being ended (a lost peer): not this worker's fault
+            loop.strategy.abandoned = True
         sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
-                     traceback=traceback.format_exc())
+                     traceback=traceback.format_exc(), generation=task.generation)
         raise
     finally:
-        sender.flush()
-        poller.close()
-        loop.strategy.close()  # the strategy in use at the end, after any switches
-        if loop.joined_group:  # never another run's group, when joining failed because one trains here
-            collectives.destroy_process_group()
+        try:
+            sender.flush()
+            poller.close()
+            loop.strategy.close()  # the strategy in use at the end, after any switches
+        finally:
+            if loop.joined_group:  # never another run's group, when joining failed because one trains here
+                collectives.destroy_process_group()
+            # The context's callbacks point back at the loop: without this cycle broken, the strategy (and
+            # a parameter server's actors) would stay alive until the worker's next garbage collection.
+            loop.context = loop.strategy = None
+
+
+def _task_released(worker: Any, key: Any) -> bool:
+    state = worker.state.tasks.get(key)
+    return state is None or state.state in ("cancelled", "released", "forgotten")
 
 
 class _Loop:
@@ -101,11 +133,22 @@ class _Loop:
         self.applied_switch = 0  # switches made so far (the same on every rank)
         self.pending: SwitchRequest | None = None  # a switch agreed on, made when `step` reaches `switch_at`
         self.switch_at = 0
+        # Checkpoints asked for by the client: the newest id agreed on, and the step it is taken at.
+        self.known_checkpoint = 0
+        self.pending_checkpoint: int | None = None
+        self.checkpoint_at = 0
+        self.last_checkpoint_step = -1
 
-    def run(self, train_data: Any, eval_data: DataSource | None) -> dict[str, Any]:
+    def superseded(self) -> bool:
+        """Whether the client has ended this group of workers, or no longer wants this task."""
+        return self.poller.latest().generation > self.task.generation or self.poller.released()
+
+    def run(self, train_data: Any, eval_data: DataSource | None,
+            resume_from: dict[str, Any] | None = None) -> dict[str, Any]:
         task, job = self.task, self.task.job
         device = _resolve_device(job.device)
         torch.manual_seed(job.seed)
+        self.step = task.start_step
         # Every run forms the process group, whatever its strategy: workers agree on switches and on the
         # end of the run through it, and a switch to a synchronous strategy needs it.
         collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
@@ -123,8 +166,10 @@ class _Loop:
         model = job.model().to(device)
         context = self.context = TrainingContext(
             task.rank, task.world_size, device, model, None, task.collective_timeout_s, task.run_id,
-            task.addresses, job, interrupted=self._control_waiting)
+            task.addresses, job, interrupted=self._control_waiting, abandoned=self.superseded)
         context.optimizer = self.strategy.local_optimizer(job, model.parameters())
+        if resume_from is not None:
+            self._restore(context, resume_from)
         self.strategy.setup(context)
         loss_fn = loss_function(job)
         next_agreement, stopped = 0, False
@@ -132,6 +177,8 @@ class _Loop:
             for epoch, indices in self._batches(shard, evaluation, loss_fn, device):
                 started = time.perf_counter()
                 while True:  # control and switches before this step; a switch is followed by an agreement
+                    if self.superseded():
+                        raise _Superseded
                     if self.pending is not None and self.step >= self.switch_at:
                         self._switch()
                         next_agreement = self.step  # e.g. a pause asked for with the switch applies here
@@ -139,6 +186,8 @@ class _Loop:
                         next_agreement = self.step + self._agree_and_apply()
                         if self.pending is not None and self.step >= self.switch_at:
                             continue
+                    if self._checkpoint_due():
+                        self._checkpoint()
                     break
                 wait_s = time.perf_counter() - started
                 if self.step >= task.total_steps:
@@ -151,17 +200,90 @@ class _Loop:
         self._meet_at_end(stopped)
         self.strategy.finish(context)
         collectives.barrier()  # every rank holds the final weights before any service is released
-        if evaluation is not None:  # the final weights, after the strategy's last synchronisation
+        regrouping = self.control.regroup or self.poller.latest().regroup
+        if evaluation is not None and not regrouping:  # the final weights, after the last synchronisation
             self._evaluate(model, evaluation, loss_fn, device, self.epoch, final=True)
+        # What the run goes on from when it is resumed, or continued on other workers.
+        checkpoint = self._checkpoint(final=True)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if task.rank == 0 else None
-        return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state}
+        return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state,
+                "checkpoint": checkpoint}
+
+    def _restore(self, context: TrainingContext, checkpoint: dict[str, Any]) -> None:
+        """Start from a checkpoint: weights, optimizer and strategy state, and (on as many workers as it
+        was taken with) this rank's random-number state and its own strategy state."""
+        context.model.load_state_dict(checkpoint["weights"])
+        weights = flatten(list(context.model.parameters()))
+        self.strategy.carry_in(context, Carried(weights, checkpoint.get("optimizer") or {}))
+        ranks = checkpoint.get("ranks") or []
+        own = ranks[self.task.rank] if len(ranks) == self.task.world_size else None
+        self.strategy.restore(checkpoint.get("strategy_state") or {}, own and own.get("strategy"))
+        if own is not None:
+            torch.set_rng_state(own["rng"])
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        """A checkpoint asked for and agreed on, or one every `checkpoint_every_steps` steps.
+
+        Process-group strategies: the same answer on every rank (they step together), and all take it.
+        Parameter-server strategies: rank 0 takes it alone from the server, never holding the others
+        (their ranks do not meet at a step).
+        """
+        if self.pending_checkpoint is not None and self.step >= self.checkpoint_at:
+            return True
+        every = self.task.checkpoint_every_steps
+        return bool(every and (self.strategy.uses_process_group or self.task.rank == 0)
+                    and self.step % every == 0 and self.task.start_step < self.step < self.task.total_steps
+                    and self.step != self.last_checkpoint_step)
+
+    def _checkpoint(self, final: bool = False) -> dict[str, Any] | None:
+        """Collective: every rank adds its part; rank 0 assembles the checkpoint and leaves it for the
+        client (or, at the end, returns it). Parameters gone NaN or infinite stop the run instead."""
+        started = time.perf_counter()
+        context = self.context
+        together = final or self.strategy.uses_process_group
+        carried, strategy_state = self.strategy.checkpoint_state(context, together)
+        own = {"step": self.step, "rng": torch.get_rng_state(), "strategy": self.strategy.rank_state()}
+        # Alone (rank 0 of a parameter-server run), the other ranks' own states are not in it: a resumed
+        # run then starts every rank at rank 0's step.
+        ranks = collectives.all_gather_objects(own) if together else None
+        self.pending_checkpoint, self.last_checkpoint_step = None, self.step
+        if self.task.rank != 0:
+            return None
+        weights = {name: value.detach().cpu().clone() for name, value in context.model.state_dict().items()}
+        offset = 0
+        for name, parameter in context.model.named_parameters():
+            weights[name] = carried.weights[offset:offset + parameter.numel()].view_as(parameter).detach().cpu().clone()
+            offset += parameter.numel()
+        if not all_finite(weights):
+            raise DivergenceError(f"training diverged: the parameters became NaN or infinite by step {self.step} "
+                                  f"(found on worker {self.task.rank} while checkpointing). Lower the learning "
+                                  "rate or check the data.")
+        checkpoint = {
+            "step": min(part["step"] for part in ranks) if ranks else self.step, "weights": weights,
+            "optimizer": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in carried.optimizer_state.items()},
+            "strategy": self.strategy.name, "settings": dataclasses.asdict(self.strategy.settings),
+            "lr": context.optimizer.param_groups[0]["lr"], "strategy_state": strategy_state, "ranks": ranks,
+            "world_size": self.task.world_size, "generation": self.task.generation, "time": time.time(),
+            "final": final,
+        }
+        if final:
+            return checkpoint
+        leave_snapshot(self.task.run_id, checkpoint)
+        self.sender.event("checkpoint-ready", step=self.step, generation=self.task.generation,
+                          took_s=time.perf_counter() - started)
+        return None
 
     def _batches(self, shard: Shard, evaluation: Any, loss_fn: Any, device: torch.device):
-        """(epoch, batch indices) without end; evaluates at epoch ends when no `eval_every` is set."""
+        """(epoch, batch indices) without end, from the step the run starts at; evaluates at epoch ends
+        when no `eval_every` is set."""
         job = self.task.job
-        for epoch in range(1 << 30):
+        first_epoch, skip = data_position(self.task.start_step, self.task.shard_samples // job.batch_size)
+        for epoch in range(first_epoch, 1 << 30):
             self.epoch = epoch
-            for indices in shard.epoch_batches(epoch, job.batch_size):
+            batches = shard.epoch_batches(epoch, job.batch_size)
+            for indices in batches[skip:] if epoch == first_epoch else batches:
                 yield epoch, indices
             if evaluation is not None and job.eval_every is None and self.step < self.task.total_steps:
                 self._evaluate(self.context.model, evaluation, loss_fn, device, epoch)
@@ -170,7 +292,8 @@ class _Loop:
         """Whether the newest control state asks for something the loop must handle (see `interrupted`)."""
         latest = self.poller.latest()
         known = self.pending.switch_id if self.pending is not None else self.applied_switch
-        return latest.stop or latest.paused or latest.switch_id > known
+        return (latest.stop or latest.paused or latest.switch_id > known or latest.checkpoint_id > self.known_checkpoint
+                or self.superseded())
 
     # --- switching strategies --------------------------------------------------------------------------
 
@@ -180,16 +303,27 @@ class _Loop:
         newest = latest if latest.version > self.control.version else self.control
         position = Position(self.step, at_end, stopping, newest.to_message())
         positions = [Position.from_message(m) for m in collectives.all_gather_json(position.to_message())]
-        decision = decide(positions, self.applied_switch)
+        decision = decide(positions, self.applied_switch, self.known_checkpoint)
         if decision.newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
             self.control = ControlState.from_message(decision.newest)
+        if not self.strategy.uses_process_group:
+            # Ranks of a parameter-server run read checkpoint requests on their own; from here on they
+            # agree on the newest (a switch to a process-group strategy needs them to).
+            self.known_checkpoint = max(self.known_checkpoint, decision.newest.get("checkpoint_id", 0))
+        elif decision.checkpoint is not None and not decision.stop:
+            self.known_checkpoint, self.pending_checkpoint = decision.checkpoint, decision.checkpoint
+            self.checkpoint_at = decision.target_step
         return decision
 
     def _meet_at_end(self, stopped: bool) -> None:
         """Out of steps (or stopping): meet the others until all are, making any switch still agreed on."""
         while True:
+            if self.superseded():
+                raise _Superseded
             if self.pending is not None:  # a switch agreed for the step this worker has reached
                 self._switch()
+            if self.pending_checkpoint is not None:  # agreed for a step this worker has reached
+                self._checkpoint()
             decision = self._rendezvous(at_end=True, stopping=stopped)
             if decision.finished or (decision.stop and decision.all_at_end):
                 return
@@ -240,8 +374,8 @@ class _Loop:
         elapsed = time.perf_counter() - started
         self._recent_step_s = elapsed if not self._recent_step_s else 0.9 * self._recent_step_s + 0.1 * elapsed
         if not math.isfinite(loss_value):
-            raise TrainingError(f"loss became {loss_value} at step {self.step} on worker {self.task.rank}: "
-                                "training diverged. Lower the learning rate or check the data.")
+            raise DivergenceError(f"training diverged: the loss became {loss_value} at step {self.step} on worker "
+                                  f"{self.task.rank}. Lower the learning rate or check the data.")
         record = {
             "worker": self.task.rank, "step": self.step, "epoch": epoch, "time": time.time(),
             "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s - strategy_wait_s,
@@ -263,8 +397,15 @@ class _Loop:
         switch before the pause (or the other way round); a paused run pauses again after the switch.
         """
         control, interval = self._agree(self.poller.latest())
+        if control.checkpoint_id > self.known_checkpoint and not self.strategy.uses_process_group:
+            self.known_checkpoint = control.checkpoint_id  # rank 0 takes it alone (see `_checkpoint_due`)
+            if self.task.rank == 0:
+                self.pending_checkpoint, self.checkpoint_at = control.checkpoint_id, self.step
         while True:
-            if control.switch_id > self.applied_switch and not control.stop:
+            if self.superseded():
+                raise _Superseded
+            if (control.switch_id > self.applied_switch or control.checkpoint_id > self.known_checkpoint) \
+                    and not control.stop:
                 decision = self._rendezvous(at_end=False)
                 if decision.stop:
                     raise _StopRequested
@@ -275,7 +416,8 @@ class _Loop:
             if not control.paused or control.stop:
                 break
             self.sender.event("paused", step=self.step)
-            while control.paused and not control.stop and control.switch_id <= self.applied_switch:
+            while (control.paused and not control.stop and control.switch_id <= self.applied_switch
+                   and control.checkpoint_id <= self.known_checkpoint and not self.superseded()):
                 control, interval = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S))
             if not control.paused and not control.stop:
                 self.sender.event("resumed", step=self.step)

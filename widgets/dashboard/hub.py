@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workbench import membership
 from workbench.metrics import MetricsTable, control_markers, expand, topic
 from workbench.registry import RUNS_TOPIC, send_control_request
 from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
@@ -26,7 +27,7 @@ from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
 RUNS_LIST_S = 0.25  # how stale the runs list may be
-MEMBERSHIP_TOPIC = "all"  # the scheduler's own topic: add-worker and remove-worker
+MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.membership)
 
 
 class RunFeed:
@@ -168,6 +169,7 @@ class Hub:
                 self._load_directory(config.parent)
         if self.client is not None:
             self._subscribe(RUNS_TOPIC, lambda event: self._work.put(("registry", event[1])))
+            membership.install(self.client)
             self._subscribe(MEMBERSHIP_TOPIC, lambda event: self._work.put(("membership", event)))
             # The scheduler's recent registry messages: runs started before this process. Fold them
             # first, so that only runs still live are followed.

@@ -4,6 +4,9 @@
         --basic-auth credentials.json --cookie-secret "$SECRET" \
         --args --scheduler tcp://scheduler:8786 --runs-dir /shared/runs --admins alice,bob
 
+(a TLS scheduler: `--scheduler tls://scheduler:8786 --tls-ca-file ca.pem --tls-cert client.pem
+--tls-key client-key.pem` after `--args`.)
+
 Panel's own flags (sign-in, TLS, origins, processes) go before `--args`; the workbench's after it. The
 hub (one Dask client and one subscription per run) is cached per server process and shared by sessions.
 """
@@ -18,11 +21,13 @@ from widgets.dashboard.access import Access
 from widgets.dashboard.app import DashboardSession
 from widgets.dashboard.hub import Hub
 from workbench import cluster as cluster_module
+from workbench.cli import add_tls_arguments, tls_security
 
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="panel serve ... --args")
     parser.add_argument("--scheduler", required=True)
+    add_tls_arguments(parser)  # --tls-ca-file, --tls-cert, --tls-key: to reach a tls:// scheduler
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--admins", default="")
     parser.add_argument("--open-control", action="store_true",
@@ -33,7 +38,8 @@ def _arguments() -> argparse.Namespace:
 
 arguments = _arguments()
 hub = pn.state.as_cached("workbench-dashboard-hub", lambda: Hub(
-    cluster_module.connect(scheduler=arguments.scheduler), arguments.runs_dir).start())
+    cluster_module.connect(scheduler=arguments.scheduler, security=tls_security(arguments)),
+    arguments.runs_dir).start())
 # Sign-in is on when Panel was started with --basic-auth or --oauth-provider.
 sign_in = bool(pn.config.oauth_provider or getattr(pn.config, "_basic_auth", None) or pn.state.user)
 access = Access(sign_in=sign_in, admins=frozenset(a.strip() for a in arguments.admins.split(",") if a.strip()),

@@ -1,9 +1,9 @@
 """Serving the dashboard: `workbench dashboard ...` (its own process), one call from a notebook, or inline.
 
-`main()` is the command: it connects its own Dask client to the scheduler, builds the shared hub and
-serves the Panel app on localhost unless told another address, with optional basic auth or OAuth
-(Panel's own), TLS, a cookie secret and allowed websocket origins. Bad arguments end in one line and a
-non-zero exit code.
+`main()` is the command: it connects its own Dask client to the scheduler (over TLS with
+`--tls-ca-file/--tls-cert/--tls-key`), builds the shared hub and serves the Panel app on localhost unless
+told another address, with optional basic auth or OAuth (Panel's own), HTTPS, a cookie secret and allowed
+websocket origins. Bad arguments end in one line and a non-zero exit code.
 """
 from __future__ import annotations
 
@@ -139,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from workbench.cli import add_tls_arguments
+
     parser.add_argument("--scheduler", required=True, metavar="ADDRESS", help="the cluster's scheduler address")
+    add_tls_arguments(parser)  # --tls-ca-file, --tls-cert, --tls-key: to reach a tls:// scheduler
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to serve on (default {DEFAULT_PORT})")
     parser.add_argument("--address", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
@@ -173,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(arguments: argparse.Namespace) -> int:
+    from workbench.cli import tls_security
+
     options = _checked_arguments(arguments)
-    client = cluster_module.connect(scheduler=arguments.scheduler)
+    security = tls_security(arguments)  # the files are checked before connecting
+    client = cluster_module.connect(scheduler=arguments.scheduler, security=security)
     hub = Hub(client, arguments.runs_dir).start()
     sign_in = bool(arguments.basic_auth or arguments.oauth_provider)
     access = policy(sign_in, arguments.admins.split(","), arguments.address)

@@ -103,6 +103,6 @@ class AllReduce(Strategy):
         return {"comm_s": time.perf_counter() - started}
 
     def close(self) -> None:
-        for hook in self.hooks:
+        for hook in getattr(self, "hooks", []):  # none when setup never ran (the model factory failed)
             hook.remove()
         self.hooks = []

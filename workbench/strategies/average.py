@@ -14,7 +14,7 @@ from typing import Any
 from .. import collectives
 from ..averaging import flatten, optimizer_state_tensors, relative_divergence, unflatten_into
 from ..errors import ConfigError
-from .base import Strategy, StrategySettings, TrainingContext, check_positive_int
+from .base import Carried, Strategy, StrategySettings, TrainingContext, check_positive_int
 
 
 @dataclasses.dataclass
@@ -37,11 +37,20 @@ class Average(Strategy):
     settings_class = AverageSettings
     uses_process_group = True
     summary = "Synchronous parameter averaging every `period` steps (local SGD). Less traffic, some drift."
+    local_weights_drift = True
 
     def setup(self, context: TrainingContext) -> None:
         collectives.broadcast_tensors(list(context.model.state_dict().values()))
         self.parameters = [p for p in context.model.parameters()]
-        self.steps_since_sync = 0
+        # A resumed run keeps its sync points where they were.
+        self.steps_since_sync = getattr(self, "restored_steps_since_sync", 0)
+
+    def checkpoint_state(self, context: TrainingContext, together: bool = True) -> tuple[Carried, dict[str, Any]]:
+        carried, _ = super().checkpoint_state(context, together)
+        return carried, {"steps_since_sync": self.steps_since_sync}
+
+    def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        self.restored_steps_since_sync = int(strategy_state.get("steps_since_sync", 0))
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
         self.steps_since_sync += 1

@@ -33,6 +33,8 @@ class TrainingContext:
     job: Any = None
     # True when a control action (pause, stop, switch) waits to be handled: long waits end early for it.
     interrupted: Callable[[], bool] = lambda: False
+    # True once the client has ended this group of workers (a worker was lost): every wait ends at once.
+    abandoned: Callable[[], bool] = lambda: False
 
 
 @dataclasses.dataclass
@@ -64,6 +66,10 @@ class Strategy:
     # instead of dropping them.
     keeps_gradient_buffers: bool = False
     summary: ClassVar[str] = ""
+    # True when the workers' weights drift apart between synchronisations: a checkpoint takes their mean.
+    local_weights_drift: ClassVar[bool] = False
+    # Set when the run's group of workers is being ended after a loss: close without waiting on others.
+    abandoned: bool = False
 
     def __init__(self, settings: StrategySettings) -> None:
         self.settings = settings
@@ -113,6 +119,24 @@ class Strategy:
         """Before `setup` of the strategy switched to: start from the carried weights and optimizer state."""
         unflatten_into(carried.weights, [p.data for p in context.model.parameters()])
         load_flat_optimizer_state(context.optimizer, carried.optimizer_state)
+
+    def checkpoint_state(self, context: TrainingContext, together: bool = True) -> tuple[Carried, dict[str, Any]]:
+        """Changing nothing in training: the common weights (the workers' mean where they drift apart),
+        the job optimizer's state (the workers' mean) and the strategy's own state, for a checkpoint.
+        Collective when `together` (every rank at one agreed step); else rank 0 alone. Only rank 0's
+        result is kept."""
+        carried = Strategy.carry_out(self, context)
+        if self.local_weights_drift:
+            collectives.all_reduce_mean(carried.weights)
+        return carried, {}
+
+    def rank_state(self) -> dict[str, Any]:
+        """This worker's own part of a checkpoint (compression residuals, say), kept per rank."""
+        return {}
+
+    def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        """When a run resumes, after `carry_in` and before `setup`: take back what `checkpoint_state` and
+        `rank_state` saved (`rank_state` is None when the run resumes on a different number of workers)."""
 
     def close(self) -> None:
         """Release hooks and buffers; called on every exit path."""

@@ -9,6 +9,7 @@ by the time the next is due (`comm_s`, the exposed part); `comm_total_s` is the 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from distributed import get_client, get_worker
 
 from .. import collectives
-from ..averaging import flatten, unflatten_into
+from ..averaging import flat_optimizer_state, flatten, unflatten_into
 from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
 from ..errors import ConfigError
 from ..server import Call, Reply, ServerClient, ServerHandle, merge_replies, start_parameter_server
@@ -116,7 +117,7 @@ class _ServerStrategy(Strategy):
         return start_parameter_server(get_client(), context.run_id, context.addresses,
                                       flatten(list(context.model.parameters())), server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
-                                      self._server_optimizer_state())
+                                      self._server_optimizer_state(), getattr(self, "restored_version", 0))
 
     def setup(self, context: TrainingContext) -> None:
         # Started here rather than by the client, so a live switch can start one from the weights of the
@@ -124,12 +125,17 @@ class _ServerStrategy(Strategy):
         self.owned_server = self._start_server(context) if context.rank == 0 else None
         handle = collectives.broadcast_object(self.owned_server)
         loop = get_worker().loop.asyncio_loop
-        self.server = ServerClient(handle, context.timeout_s, loop)
+        self.server = ServerClient(handle, context.timeout_s, loop, context.abandoned)
         self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
         self.parameters = list(context.model.parameters())
         self.numel = sum(p.numel() for p in self.parameters)
         self.compressors = [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
                                           self.settings.threshold_tau) for start, stop in self.server.ranges]
+        restored = getattr(self, "restored_residuals", None)
+        if restored is not None and [r is None for r in restored] == [c.residual is None for c in self.compressors] \
+                and all(r is None or r.numel() == c.residual.numel() for r, c in zip(restored, self.compressors)):
+            for compressor, residual in zip(self.compressors, restored):
+                compressor.residual = residual  # what earlier pushes had not sent yet
         self._load(self.server.fetch(self.rank).weights)
         self.pending: Call | None = None
         self.clock = 0  # windows sent
@@ -197,7 +203,7 @@ class _ServerStrategy(Strategy):
     def close(self) -> None:
         # A worker that failed still tells the server it is done, so the others are not held back by
         # the SSP bound or the end-of-run barrier until their timeout.
-        if hasattr(self, "server") and not getattr(self, "finished", False):
+        if hasattr(self, "server") and not getattr(self, "finished", False) and not self.abandoned:
             self.finished = True
             try:
                 self.server.announce_finished(self.rank)
@@ -207,9 +213,44 @@ class _ServerStrategy(Strategy):
         if getattr(self, "owned_server", None) is not None:
             self.owned_server.release()
             self.owned_server = None
+        # Each actor call leaves a self-referencing closure in Dask (`Actor.__getattr__`) holding the actor
+        # handle, which holds the actor's future: without a collection the shards would live on until the
+        # worker's next cyclic garbage collection. A call still in flight is let finish first (bounded).
+        pending = getattr(self, "pending", None)
+        if pending is not None:
+            try:
+                pending.result(min(5.0, getattr(self, "timeout_s", 5.0)))
+            except Exception:
+                pass  # a lost shard, or a group being ended: nothing to wait for
+        self.pending = self.server = None
+        gc.collect()
 
     def _flush(self, context: TrainingContext) -> None:
         """Send what is still unsent at the end of the run."""
+
+    def checkpoint_state(self, context: TrainingContext, together: bool = True) -> tuple[Carried, dict[str, Any]]:
+        # The server's (center's) weights and version; what this worker accumulated for its next push is
+        # not part of it.
+        self._collect(block=True)
+        optimizer_state = self._checkpoint_optimizer_state(context, together)
+        if self.rank != 0:
+            return Carried(flatten(self.parameters), optimizer_state), {}
+        version = self.server.stats()[0]["version"]
+        return Carried(self.server.weights(), optimizer_state), {"server_version": version}
+
+    def _checkpoint_optimizer_state(self, context: TrainingContext, together: bool) -> dict[str, Any]:
+        """The job optimizer's state for a checkpoint: the workers' mean when `together` (collective),
+        else this worker's own."""
+        if together:
+            return Strategy.carry_out(self, context).optimizer_state
+        return flat_optimizer_state(context.optimizer)
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"residuals": [None if c.residual is None else c.residual.clone() for c in self.compressors]}
+
+    def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        self.restored_version = int(strategy_state.get("server_version", 0))
+        self.restored_residuals = (rank_state or {}).get("residuals")
 
 
 def _momentum_on_workers(job: Any, settings: ServerOptions) -> bool:
@@ -277,6 +318,14 @@ class AsyncSGD(_ServerStrategy):
             collectives.all_reduce_mean(velocity)  # every rank has a velocity of the same size
             return Carried(flatten(self.parameters), {"momentum_buffer": velocity})
         return Carried(flatten(self.parameters), self.server.optimizer_state())
+
+    def _checkpoint_optimizer_state(self, context: TrainingContext, together: bool) -> dict[str, Any]:
+        if self.worker_momentum:
+            velocity = self.velocity.clone()
+            if together:
+                collectives.all_reduce_mean(velocity)
+            return {"momentum_buffer": velocity}
+        return self.server.optimizer_state() if self.rank == 0 else {}
 
     def local_optimizer(self, job: Any, parameters: Any) -> torch.optim.Optimizer:
         # As in Downpour SGD, steps between fetches are plain SGD on the local copy; the job's optimizer
