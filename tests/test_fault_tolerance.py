@@ -92,8 +92,10 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     regrouped = run.events("regrouped")
     assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [target]
     assert sorted(regrouped[0]["workers"]) == sorted(a for a in addresses if a != target)
-    # Noticed and acted on within the configured timeout.
-    assert regrouped[0]["time"] - killed_at < TIMEOUT_S
+    # Noticed at once; the survivors regrouped within the configured timeout (plus scheduling slack: a
+    # survivor blocked on the dead peer may wait out its collective timeout under load).
+    assert lost[0]["time"] - killed_at < 3
+    assert regrouped[0]["time"] - killed_at < TIMEOUT_S + 3
     # The run went on from its last checkpoint: what the survivors lost is at most one interval.
     first_group = [r for r in run.table.steps().to_dict("records") if r["time"] < regrouped[0]["time"]]
     reached = max(r["step"] for r in first_group) + 1
@@ -259,11 +261,9 @@ def test_an_exploding_learning_rate_stops_the_run_and_keeps_the_last_good_checkp
     run = workbench.train(job, "allreduce", client=client, run_dir=tmp_path, checkpoint_every_steps=10,
                           checkpoint_every_s=None, collective_timeout_s=TIMEOUT_S)
     wait_until(lambda: run.checkpoint_info is not None and run.checkpoint_info["step"] >= 20, timeout_s=60)
-    run.set_lr(1e9)
+    run.set_lr(1e38)  # the next updates overflow float32: infinite activations, then a NaN loss
     with pytest.raises(workbench.DivergenceError) as caught:
         run.wait(timeout=120)
-        print("not diverged:", run.status, run.progress(), run.checkpoint_info, run.events("changed")[-3:],
-              run.table.steps().tail(3).to_dict("records"))
     message = str(caught.value)
     assert "diverged" in message and "at step" in message and "on worker" in message
     assert "last good checkpoint" in message

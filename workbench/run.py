@@ -184,7 +184,8 @@ class Run:
         self.error: str | None = None
         self.diverged = False
         self.total_steps = 0
-        self.generation = -1  # how many times the workers were regrouped (after a loss or a join)
+        # How many times the workers were regrouped (after a loss or a join); a resumed run counts on.
+        self.generation = resume_from.get("generation", 0) if resume_from else -1
         self.worker_addresses: list[str] = []
         self._futures: list[Any] = []
         self._state_dict: dict[str, torch.Tensor] | None = None
@@ -203,6 +204,8 @@ class Run:
         self._joined: list[str] = []  # workers that joined the cluster during the run
         self._regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
         self._stop_watching: Any = None
+        self._stop_requested = False
+        self._checkpoint_lock = threading.Lock()  # the writer thread and the supervisor both store them
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -239,6 +242,8 @@ class Run:
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]
+            self.checkpoint_info = {"step": self._resume_from["step"], "written": 0.0, "generation": None,
+                                    "path": str(self.directory.path / checkpoints.CHECKPOINT_FILE)}
         self.directory.write_json(CONFIG_FILE, self.config)
         if not resumed:
             self._save_job()
@@ -314,15 +319,17 @@ class Run:
         job = dataclasses.replace(self.job, lr=state.lr if state.lr is not None else self.job.lr)
         ranks = (checkpoint or {}).get("ranks") or []
         same_world = len(ranks) == world_size
+        steps_per_epoch = shard_samples // prepared.job.batch_size
         saved = client.scatter(checkpoint, workers=addresses, broadcast=True, hash=False) if checkpoint else None
         # Every run has a process group (see worker.py), on a port free on rank 0's machine.
         host = get_address_host(addresses[0])
         port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
         eval_payload = self._scatter(client, prepared.evaluation, addresses[:1])
         launch = uuid.uuid4().hex[:6]  # task keys never repeat, even for a run resumed under its old id
-        futures = []
+        futures, starts = [], []
         for rank, address in enumerate(addresses):
-            start_step = (ranks[rank]["step"] if same_world else checkpoint["step"]) if checkpoint else 0
+            start_step = (ranks[rank]["step"] if same_world else
+                          _rescaled_step(checkpoint, world_size, steps_per_epoch, prepared.job)) if checkpoint else 0
             task = WorkerTask(
                 run_id=self.run_id, rank=rank, world_size=world_size, job=job, strategy=state.strategy,
                 settings=settings, shard_samples=shard_samples, total_steps=self.total_steps,
@@ -330,8 +337,10 @@ class Run:
                 collective_timeout_s=self._collective_timeout_s, addresses=addresses,
                 step_delay_s=self._step_delays.get(rank, 0.0), generation=self.generation,
                 start_step=start_step, checkpoint_every_steps=self.checkpoint_every_steps,
+                applied_switch=state.switch_id, known_checkpoint=state.checkpoint_id,
             )
             data = train_payload[address] if local else train_payload
+            starts.append(start_step)
             futures.append(client.submit(
                 train_on_worker, task, data, eval_payload if rank == 0 else None, saved,
                 key=f"workbench-{self.run_id}-g{self.generation}-{launch}-rank-{rank}", workers=[address],
@@ -341,7 +350,7 @@ class Run:
         self._next_checkpoint_time = time.monotonic() + (self.checkpoint_every_s or math.inf)
         self._publish({"kind": "generation-started", "time": time.time(), "generation": self.generation,
                        "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
-                       "total_steps": self.total_steps})
+                       "start_step": min(starts), "total_steps": self.total_steps})
 
     def _resolve_client(self, client: Client | None) -> Client:
         if client is not None:
@@ -435,9 +444,12 @@ class Run:
                 action, address, when = self._membership_changes.get_nowait()
             except queue.Empty:
                 return
-            if action == "remove-worker" and address in self.worker_addresses and address not in self._lost:
-                self._record_lost(address, when, "the scheduler removed the worker")
+            if action == "remove-worker":
+                self._joined = [a for a in self._joined if a != address]
+                if address in self.worker_addresses and address not in self._lost:
+                    self._record_lost(address, when, "the scheduler removed the worker")
             elif action == "add-worker" and address not in self.worker_addresses:
+                self._lost.discard(address)  # a worker back on the same address is a new one
                 self._joined.append(address)
                 self._publish({"kind": "worker-joined", "time": when, "address": address, "added": self.auto_join})
 
@@ -453,8 +465,11 @@ class Run:
             self._supervise_tasks()
         except BaseException as error:  # never leave the run looking alive when supervision itself broke
             self.error = f"supervising the run failed: {type(error).__name__}: {error}"
-            self.status = "failed"
             self._end_group()
+            try:
+                self._end_run("failed")
+            except Exception:
+                self.status = "failed"
             raise
         finally:
             self._requests.put(None)  # ends the thread serving other clients' control requests
@@ -493,7 +508,7 @@ class Run:
         final = results[0].get("checkpoint")
         if final is not None:
             self._store_checkpoint(final)
-        if self._regroup_to is not None and any(r["stopped"] for r in results):
+        if self._regroup_to is not None and any(r["stopped"] for r in results) and not self._stop_requested:
             following, self._regroup_to = self._regroup_to, None
             self._control.update(stop=False, regroup=False)
             self._publish({"kind": "regrouped", "time": time.time(), "generation": self.generation + 1,
@@ -528,11 +543,16 @@ class Run:
         if not lost:
             self._fail(futures, addresses)
             return None
+        self._regroup_to = None  # a join under way is dropped: the survivors go on (add workers again)
         survivors = [a for a in addresses if a not in lost and a in present]
         checkpoint = self._latest_checkpoint
         from_step = checkpoint["step"] if checkpoint else 0
         where = (f"the last checkpoint (step {from_step}) is kept at {self.checkpoint_info['path']}"
                  if self.checkpoint_info else "no checkpoint was written yet")
+        if self._stop_requested:  # stopped while the loss was being handled: keep the last checkpoint
+            self._state_dict = checkpoint["weights"] if checkpoint else None
+            self._end_run("stopped")
+            return None
         if len(survivors) < self.min_workers:
             self.error = (f"lost worker(s) {', '.join(sorted(lost))}; {len(survivors)} left, fewer than "
                           f"min_workers={self.min_workers}, so the run stopped; {where}. Resume it with "
@@ -607,6 +627,8 @@ class Run:
     def checkpoint(self, timeout: float = 60.0) -> dict[str, Any]:
         """Take a checkpoint now (all workers at one step) and return where it was written."""
         self._require_running()
+        if self.status == "paused":
+            raise TrainingError("the run is paused: workers take a checkpoint when they go on; resume() first")
         before = self.checkpoint_info["written"] if self.checkpoint_info else 0.0
         self._control.update(checkpoint_id=self._control.state.checkpoint_id + 1)
         self._wait_for(lambda: self.checkpoint_info is not None and self.checkpoint_info["written"] > before,
@@ -634,15 +656,15 @@ class Run:
             self._publish({"kind": "checkpoint-refused", "time": time.time(), "step": checkpoint["step"],
                            "reason": "non-finite weights"})
             return
-        current = self._latest_checkpoint
-        if current is not None and current is not checkpoint and current.get("generation", -1) == checkpoint.get(
-                "generation") and current["step"] > checkpoint["step"]:
-            return  # an older one fetched late
         path = self.directory.path / checkpoints.CHECKPOINT_FILE
-        checkpoints.save(path, checkpoint)
-        self._latest_checkpoint = checkpoint
-        self.checkpoint_info = {"step": checkpoint["step"], "path": str(path), "written": time.time(),
-                                "generation": checkpoint.get("generation")}
+        with self._checkpoint_lock:
+            current = self._latest_checkpoint
+            if current is not None and current is not checkpoint and _age(current) > _age(checkpoint):
+                return  # an older one fetched late
+            checkpoints.save(path, checkpoint)
+            self._latest_checkpoint = checkpoint
+            self.checkpoint_info = {"step": checkpoint["step"], "path": str(path), "written": time.time(),
+                                    "generation": checkpoint.get("generation")}
         self._publish({"kind": "checkpoint", "time": time.time(), "step": checkpoint["step"], "path": str(path),
                        "generation": checkpoint.get("generation"), "final": checkpoint.get("final", False)})
 
@@ -660,7 +682,9 @@ class Run:
         if addresses is None:
             addresses = [a for a in present if a not in self.worker_addresses]
         unknown = [a for a in addresses if a not in present]
-        if unknown:
+        if unknown and automatic:  # joined and left again
+            addresses = [a for a in addresses if a in present]
+        elif unknown:
             raise ConfigError("addresses", unknown, "addresses of workers in the cluster", f"It has {present}")
         new = [a for a in addresses if a not in self.worker_addresses]
         self._joined = [a for a in self._joined if a not in addresses]
@@ -822,6 +846,7 @@ class Run:
     def stop(self) -> None:
         """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
         if self.status != "created" and not self.done:
+            self._stop_requested = True  # also when the workers are being regrouped right now
             self._control.update(stop=True)
 
     def set_lr(self, lr: float) -> None:
@@ -984,6 +1009,21 @@ class Run:
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "
                 f"workers={len(self.worker_addresses)} progress={self.progress():.0%}>")
+
+
+def _age(checkpoint: dict[str, Any]) -> tuple[int, int, bool]:
+    """Orders checkpoints of one run: later groups, then later steps, then a group's final one."""
+    return checkpoint.get("generation", -1), checkpoint["step"], bool(checkpoint.get("final"))
+
+
+def _rescaled_step(checkpoint: dict[str, Any], world_size: int, steps_per_epoch: int, job: Job) -> int:
+    """Where a group of another size starts: at the same share of the data seen (epochs of the run),
+    unless the job counts steps per worker (`steps=`), which it keeps."""
+    old_steps_per_epoch, old_world = checkpoint.get("steps_per_epoch"), checkpoint.get("world_size")
+    if job.steps is not None or not old_steps_per_epoch or not old_world:
+        return checkpoint["step"]
+    epoch, batch = checkpoints.data_position(checkpoint["step"], old_steps_per_epoch)
+    return epoch * steps_per_epoch + min(steps_per_epoch - 1, batch * old_world // world_size)
 
 
 def _system_user() -> str:

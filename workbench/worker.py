@@ -61,6 +61,8 @@ class WorkerTask:
     generation: int = 0  # which group of workers this is (see `ControlState.generation`)
     start_step: int = 0  # steps already made, when resuming from a checkpoint
     checkpoint_every_steps: int | None = None  # process-group strategies checkpoint at these steps exactly
+    applied_switch: int = 0  # live switches the run made before this group started (its strategy is the last)
+    known_checkpoint: int = 0  # checkpoints asked for before this group started
 
 
 class _StopRequested(Exception):
@@ -89,7 +91,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname(),
                      generation=task.generation, start_step=task.start_step)
         result = loop.run(train_data, eval_data, resume_from)
-        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"])
+        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation)
         return result
     except _Superseded:
         loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
@@ -130,11 +132,11 @@ class _Loop:
         self._gpu = GpuGauge()
         self.control = ControlState(lr=task.job.lr, strategy=task.strategy,
                                     settings=dataclasses.asdict(task.settings))
-        self.applied_switch = 0  # switches made so far (the same on every rank)
+        self.applied_switch = task.applied_switch  # switches made so far (the same on every rank)
         self.pending: SwitchRequest | None = None  # a switch agreed on, made when `step` reaches `switch_at`
         self.switch_at = 0
         # Checkpoints asked for by the client: the newest id agreed on, and the step it is taken at.
-        self.known_checkpoint = 0
+        self.known_checkpoint = task.known_checkpoint
         self.pending_checkpoint: int | None = None
         self.checkpoint_at = 0
         self.last_checkpoint_step = -1
@@ -266,6 +268,7 @@ class _Loop:
             "strategy": self.strategy.name, "settings": dataclasses.asdict(self.strategy.settings),
             "lr": context.optimizer.param_groups[0]["lr"], "strategy_state": strategy_state, "ranks": ranks,
             "world_size": self.task.world_size, "generation": self.task.generation, "time": time.time(),
+            "steps_per_epoch": self.task.shard_samples // self.task.job.batch_size,
             "final": final,
         }
         if final:
@@ -398,9 +401,9 @@ class _Loop:
         """
         control, interval = self._agree(self.poller.latest())
         if control.checkpoint_id > self.known_checkpoint and not self.strategy.uses_process_group:
-            self.known_checkpoint = control.checkpoint_id  # rank 0 takes it alone (see `_checkpoint_due`)
-            if self.task.rank == 0:
-                self.pending_checkpoint, self.checkpoint_at = control.checkpoint_id, self.step
+            self.known_checkpoint = control.checkpoint_id
+            if self.task.rank == 0:  # taken alone, here and now (see `_checkpoint_due`)
+                self._checkpoint()
         while True:
             if self.superseded():
                 raise _Superseded
