@@ -238,8 +238,14 @@ def test_user_error_on_a_worker_reaches_the_client_with_its_traceback_and_ends_t
     assert f"{error_type.__name__}: " in text and message in text, text
     assert f"in {user_function}" in text, text
     assert "in train_on_worker" in text, text
-    for rank in failing_ranks:
-        assert f"worker {rank} ({addresses[rank]}) failed: {error_type.__name__}: " in text, text
+    # The first failure ends the group: a failing rank either failed with the user's error or, ended first,
+    # left. A rank that fails alone fails first by construction. The user's error comes first; a peer may
+    # also list the broken connection it saw before the group was ended.
+    failed = [rank for rank in failing_ranks
+              if f"worker {rank} ({addresses[rank]}) failed: {error_type.__name__}: " in text]
+    assert failed and (len(failing_ranks) > 1 or failed == list(failing_ranks)), text
+    first = text.split("\n", 1)[1]
+    assert first.startswith("worker ") and f"failed: {error_type.__name__}: " in first.splitlines()[0], text
     assert run.status == "failed" and run.done
     assert run.error is not None and message in run.error and user_function in run.error
 
@@ -247,8 +253,10 @@ def test_user_error_on_a_worker_reaches_the_client_with_its_traceback_and_ends_t
     for records in (run.events("worker-failed"),
                     [r for r in read_metrics(run.directory.path) if r["kind"] == "worker-failed"]):
         by_rank = {r["worker"]: r for r in records}
-        assert set(failing_ranks) <= set(by_rank), records
-        for rank in failing_ranks:
+        assert set(failed) <= set(by_rank), records
+        left = {r["worker"] for r in run.events("worker-left")}
+        assert set(failing_ranks) <= set(failed) | left, (records, left)
+        for rank in failed:
             record = by_rank[rank]
             assert record["error"].startswith(f"{error_type.__name__}: ") and message in record["error"], record
             assert record["step"] == failed_step, record

@@ -93,17 +93,18 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         result = loop.run(train_data, eval_data, resume_from)
         sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation)
         return result
-    except _Superseded:
+    except BaseException as error:
+        if not (isinstance(error, _Superseded) or loop.superseded()):
+            sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
+                         traceback=traceback.format_exc(), generation=task.generation)
+            raise
+        # The client ended this group (another worker failed or was lost): whatever this worker was
+        # waiting on broke because of that, so it leaves rather than report a failure of its own.
         loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
-        sender.event("worker-left", step=loop.step, generation=task.generation)
+        sender.event("worker-left", step=loop.step, generation=task.generation,
+                     error=None if isinstance(error, _Superseded) else f"{type(error).__name__}: {error}")
         return {"rank": task.rank, "steps": loop.step, "stopped": True, "superseded": True, "state_dict": None,
                 "checkpoint": None}
-    except BaseException as error:
-        if loop.superseded():  # failing because the group is being ended (a lost peer): not this worker's fault
-            loop.strategy.abandoned = True
-        sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
-                     traceback=traceback.format_exc(), generation=task.generation)
-        raise
     finally:
         try:
             sender.flush()
