@@ -56,3 +56,23 @@ def dask_cluster_on_loopback(directory, workers=2, flags=()):
         yield address
     finally:
         end_processes(processes)
+
+
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+
+
+@contextlib.contextmanager
+def chromium():
+    """Debian's headless chromium driven by Playwright (nothing downloaded); closed on exit."""
+    import pytest
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (or set WORKBENCH_CHROMIUM)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield browser
+        finally:
+            browser.close()

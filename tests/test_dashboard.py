@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,26 +22,18 @@ from workbench.metrics import topic
 from workbench.rundir import read_metrics
 from workbench.collectives import find_free_port as free_port
 
+from helpers import chromium, end_processes
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 COUNT = "() => {{ const s = Bokeh.documents[0].get_model_by_name('{name}'); return s ? s.data['{column}'].length : -1 }}"
 
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (or set WORKBENCH_CHROMIUM)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium() as browser:
+        yield browser
 
 
 def served(client, runs_dir, *options):
@@ -68,12 +59,7 @@ def serving(command, port, sign_in=False, path=""):
                 time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+        end_processes([process], timeout_s=15)
 
 
 def open_dashboard(browser, url, run_id, user=None, password=None):

@@ -3,7 +3,6 @@ the dashboard's own client follows it, and the `--tls-*` flags of `workbench tra
 reach a `dask scheduler` started with certificate files (and refuse bad files in one line)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import workbench
 from workbench.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
 
-from helpers import dask_cluster_on_loopback, end_processes, wait_until
+from helpers import chromium, dask_cluster_on_loopback, end_processes, wait_until
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
@@ -149,21 +148,13 @@ def tls_dask_cluster(tmp_path: Path, files: dict[str, str], workers: int = 2):
 
 def assert_dashboard_lists(url: str, run_id: str) -> None:
     """Load the page in headless Chromium (Debian's, as in test_dashboard) and find `run_id` picked."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    chromium = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
-    if not Path(chromium).exists():
-        pytest.fail(f"{chromium} is missing: apt-get install chromium (or set WORKBENCH_CHROMIUM)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        try:
-            page = browser.new_page()
-            page.goto(url)
-            page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
-            expect(page.get_by_role("combobox", name="Run", exact=True)).to_have_value(run_id, timeout=30_000)
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        page.goto(url)
+        page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
+        expect(page.get_by_role("combobox", name="Run", exact=True)).to_have_value(run_id, timeout=30_000)
 
 
 @pytest.mark.timeout(300)

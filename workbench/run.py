@@ -286,11 +286,8 @@ class Run:
     def _check_batch_fits(self, prepared: PreparedJob, addresses: list[str]) -> None:
         if isinstance(prepared.train, DaskArrayData):
             return  # shards follow where the blocks are; checked when they are placed
-        shard_samples = shard_size(len(prepared.train), len(addresses))
-        if prepared.job.batch_size > shard_samples:
-            raise ConfigError("batch_size", prepared.job.batch_size,
-                              f"at most {shard_samples}, the samples in each of the {len(addresses)} workers' "
-                              "shards", "Lower batch_size or use fewer workers")
+        _check_batch_fits_shard(prepared.job.batch_size, shard_size(len(prepared.train), len(addresses)),
+                                len(addresses))
 
     def _save_job(self) -> None:
         """The job beside its checkpoint, so that `resume(run_dir)` needs nothing else (when it fits)."""
@@ -308,10 +305,7 @@ class Run:
         self._finished_workers = set()
         world_size = len(addresses)
         train_payload, shard_samples, local = self._place_training_data(client, prepared.train, addresses)
-        if prepared.job.batch_size > shard_samples:
-            raise ConfigError("batch_size", prepared.job.batch_size,
-                              f"at most {shard_samples}, the samples in each of the {world_size} workers' shards",
-                              "Lower batch_size or use fewer workers")
+        _check_batch_fits_shard(prepared.job.batch_size, shard_samples, world_size)
         self.total_steps, self.shard_samples = prepared.total_steps(shard_samples), shard_samples
         state = self._control.state
         settings = make_settings(state.strategy, state.settings)
@@ -559,8 +553,6 @@ class Run:
                           f"workbench.resume({str(self.directory.path)!r}) once workers are back")
             self._end_run("failed")
             return None
-        if self.status == "paused":
-            pass  # the new group pauses at its first agreement: the control state still says paused
         self._control.update(stop=False, regroup=False)
         self._publish({"kind": "regrouped", "time": time.time(), "generation": self.generation + 1,
                        "workers": survivors, "lost": sorted(lost), "from_step": from_step,
@@ -1009,6 +1001,13 @@ class Run:
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "
                 f"workers={len(self.worker_addresses)} progress={self.progress():.0%}>")
+
+
+def _check_batch_fits_shard(batch_size: int, shard_samples: int, world_size: int) -> None:
+    if batch_size > shard_samples:
+        raise ConfigError("batch_size", batch_size,
+                          f"at most {shard_samples}, the samples in each of the {world_size} workers' shards",
+                          "Lower batch_size or use fewer workers")
 
 
 def _age(checkpoint: dict[str, Any]) -> tuple[int, int, bool]:
