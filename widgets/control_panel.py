@@ -264,6 +264,9 @@ class ControlPanel:
         self.links.value = " &nbsp;|&nbsp; ".join(links)
         if s["error"]:
             self.message.value = f"<pre style='color:#cf222e'>{html.escape(s['error'])}</pre>"
+        elif s.get("warnings"):  # the loss watch's: the run trains, but is not learning
+            self.message.value = "".join(f"<div style='color:#9a6700'>&#9888; {html.escape(text)}</div>"
+                                         for text in s["warnings"])
 
     # --- notebook display -------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from .models import mlp
 from . import checkpoint as checkpoints
 from .run import resume, train
 from .compression import COMPRESSIONS
-from .strategies import STRATEGIES, make_settings
+from .strategies import STRATEGIES, make_settings, suggested_sgd
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -43,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=_positive_int, default=2, help="worker processes that train (default 2)")
     run.add_argument("--epochs", type=_positive_int, default=5, help="passes over each worker's shard")
     run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker (overrides --epochs)")
-    run.add_argument("--lr", type=_positive_float, default=0.1, help="learning rate")
-    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    run.add_argument("--lr", type=_positive_float, default=None,
+                     help="learning rate (default: the strategy's: 0.2 for async/ssp, 0.1 for the others with sgd, "
+                          "0.001 with adam/adamw)")
+    run.add_argument("--momentum", type=float, default=None,
+                     help="SGD momentum (default: the strategy's: 0.5 for async/ssp, 0.9 for the others)")
     run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
     run.add_argument("--period", type=_positive_int, default=None,
@@ -107,10 +110,11 @@ def _train(arguments: argparse.Namespace) -> int:
                                                              workers=arguments.workers, **fault_tolerance))
     splits = resolve_dataset(arguments.dataset, "--dataset")
     features, classes = _shape_of(splits.train)
+    lr, momentum = _hyperparameters(arguments)
     job = Job(
         model=mlp(features, classes, arguments.hidden), data=splits, optimizer=arguments.optimizer,
-        momentum=arguments.momentum if arguments.optimizer == "sgd" else 0.0, batch_size=arguments.batch_size,
-        epochs=arguments.epochs, steps=arguments.steps, lr=arguments.lr, seed=arguments.seed,
+        momentum=momentum, batch_size=arguments.batch_size,
+        epochs=arguments.epochs, steps=arguments.steps, lr=lr, seed=arguments.seed,
     )
     settings = {name: getattr(arguments, name) for name in SETTING_FLAGS if getattr(arguments, name) is not None}
     job.prepare()  # refuse bad values before a cluster is started
@@ -118,6 +122,21 @@ def _train(arguments: argparse.Namespace) -> int:
     return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
                                                         workers=arguments.workers, run_dir=arguments.run_dir,
                                                         **fault_tolerance, **settings))
+
+
+def _hyperparameters(arguments: argparse.Namespace) -> tuple[float, float]:
+    """The learning rate and momentum asked for, else the strategy's own defaults (Adam's lr for adam)."""
+    suggested = suggested_sgd(arguments.strategy)
+    if arguments.optimizer != "sgd":
+        if arguments.momentum:
+            raise ConfigError("--momentum", arguments.momentum, "only with --optimizer sgd",
+                              f"{arguments.optimizer} keeps moment estimates of its own")
+        return (arguments.lr if arguments.lr is not None else ADAM_LR), 0.0
+    lr = arguments.lr if arguments.lr is not None else suggested["lr"]
+    return lr, (arguments.momentum if arguments.momentum is not None else suggested["momentum"])
+
+
+ADAM_LR = 1e-3
 
 
 def _with_client(arguments: argparse.Namespace, start: Any) -> int:
@@ -149,8 +168,13 @@ SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "co
 
 
 def _follow(run: Any, disable: bool) -> None:
+    shown = 0
     with tqdm(total=run.total_steps, unit="step", desc=run.strategy, disable=disable, dynamic_ncols=True) as bar:
         while not run.done:
+            warnings = run.warnings()
+            for text in warnings[shown:]:  # said at once, above the bar, not only in the summary
+                tqdm.write(f"workbench: warning: {text}", file=sys.stderr)
+            shown = len(warnings)
             done = int(run.progress() * run.total_steps)
             bar.update(done - bar.n)
             rate = run.throughput(5.0)["samples_per_s"]
@@ -173,6 +197,8 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
     if "bytes_sent_per_step" in summary:
         print(f"sent per step: {summary['bytes_sent_per_step'] / 1024:,.1f} KiB; communication hidden "
               f"behind compute: {summary.get('comm_hidden_fraction', 0):.0%}")
+    for text in summary.get("warnings", []):
+        print(f"warning: {text}")
     print(f"held-out loss: {result['loss']:.4f}")
     if "accuracy" in result:
         print(f"held-out accuracy: {result['accuracy']:.4f}")

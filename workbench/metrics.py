@@ -15,6 +15,8 @@ from typing import Any
 
 import pandas as pd
 
+from .health import WARNING_KIND
+
 STEP_FIELDS = ("worker", "step", "epoch", "time", "loss", "samples", "compute_s", "comm_s", "wait_s", "lr", "strategy")
 
 
@@ -157,6 +159,7 @@ class MetricsTable:
             divergence = _means(self._divergence_by_step)
             evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
                            for r in self._other if r.get("kind") == "eval"]
+            warnings = [r["message"] for r in self._other if r.get("kind") == WARNING_KIND]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
@@ -188,6 +191,7 @@ class MetricsTable:
             if divergence else {"step": [], "divergence": []},
             "time_split": {w: _fractions(t) for w, t in totals.items()},
             "workers": table,
+            "warnings": warnings,
         }
 
     def steps(self) -> pd.DataFrame:
@@ -274,6 +278,10 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     markers = []
     for event in events:
         kind = event.get("kind")
+        if kind == WARNING_KIND:  # the loss watch's (health.py)
+            markers.append({"kind": kind, "step": event["step"], "time": event.get("time"),
+                            "label": f"warning: {event['reason']}"})
+            continue
         if kind in ("worker-lost", "regrouped"):  # the run's own events: lost workers and regroups
             marker = _membership_marker(event)
             if marker is not None:

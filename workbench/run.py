@@ -32,6 +32,7 @@ from .control import ControlState, ControlWriter
 from .data import BuiltinData, DaskArrayData, DataSource, as_source
 from .errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError
 from .evaluation import evaluate
+from .health import WARNING_KIND, LossWatch
 from .job import Job, PreparedJob, check_lr, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
@@ -198,6 +199,8 @@ class Run:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()  # control requests from other clients
         self._ready_checkpoints: queue.SimpleQueue = queue.SimpleQueue()  # rank 0 has one to fetch
         self._membership_changes: queue.SimpleQueue = queue.SimpleQueue()  # from the scheduler
+        self._loss_watch: LossWatch | None = None  # made once the run's length is known
+        self._warnings: queue.SimpleQueue = queue.SimpleQueue()  # the loss watch's, for the supervisor to publish
         self.checkpoint_info: dict[str, Any] | None = None  # the newest checkpoint written: step, path, time
         self._latest_checkpoint: dict[str, Any] | None = resume_from
         self._lost: set[str] = set()  # addresses of the run's workers the scheduler removed
@@ -259,6 +262,8 @@ class Run:
         self._stop_watching = membership.watch(client, self._on_membership)
         self._launch(addresses, self._resume_from)
         self.config.update(shard_samples=self.shard_samples, total_steps=self.total_steps)
+        self._loss_watch = LossWatch(self.total_steps, first_step=self._resume_from["step"] if resumed else 0,
+                                     strategy=self.strategy, momentum=self.job.momentum)
         self.directory.write_json(CONFIG_FILE, self.config)
         self.status = "running"
         self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
@@ -410,6 +415,11 @@ class Run:
         self.table.add(records)
         self.directory.append(records)
         kind = message.get("kind")
+        if kind == "steps" and self._loss_watch is not None:
+            for record in records:
+                warning = self._loss_watch.observe(record)
+                if warning is not None:  # published by the supervisor: no blocking calls on this thread
+                    self._warnings.put({**warning, "time": time.time(), "strategy": record.get("strategy")})
         if kind == "checkpoint-ready":
             self._ready_checkpoints.put(message)
         with self._events:  # wakes `wait_for_step`, `wait_for_event` and the supervisor
@@ -446,6 +456,27 @@ class Run:
                 self._lost.discard(address)  # a worker back on the same address is a new one
                 self._joined.append(address)
                 self._publish({"kind": "worker-joined", "time": when, "address": address, "added": self.auto_join})
+
+    def _publish_warnings(self) -> None:
+        while True:
+            try:
+                self._publish(self._warnings.get_nowait())
+            except queue.Empty:
+                return
+
+    def _publish_leftover_warnings(self) -> None:
+        """Warnings from the last records, once this client no longer hears its own topic: kept here
+        directly, and sent for the other viewers."""
+        while True:
+            try:
+                warning = self._warnings.get_nowait()
+            except queue.Empty:
+                return
+            self._on_message((time.time(), warning))
+            try:
+                self.client.log_event(topic(self.run_id), warning)
+            except Exception:
+                pass
 
     def _record_lost(self, address: str, when: float, reason: str) -> None:
         self._lost.add(address)
@@ -490,6 +521,7 @@ class Run:
             self._take_membership_changes()
             if self._lost & set(addresses):
                 break
+            self._publish_warnings()
             self._request_checkpoint_when_due()
             if self.auto_join and self._joined and self._regroup_to is None and self.status == "running":
                 self._try_add_workers(list(self._joined), automatic=True)
@@ -595,6 +627,7 @@ class Run:
                 self.client.unsubscribe_topic(name)
             except Exception:
                 pass
+        self._publish_leftover_warnings()
         self._control.delete()
         self.status = status
         if status != "failed" and self._state_dict is not None:
@@ -905,6 +938,10 @@ class Run:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return self.table.events(kind)
 
+    def warnings(self) -> list[str]:
+        """What the loss watch said about this run (not learning, loss climbing), oldest first."""
+        return [event["message"] for event in self.table.events(WARNING_KIND)]
+
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, histogram (parameter-server strategies)."""
         return self.table.staleness()
@@ -973,6 +1010,9 @@ class Run:
                     "max": max(s["max"] for s in staleness.values()),
                     "per_worker": staleness}
             summary.update(communication_summary(frame))
+        warnings = self.warnings()
+        if warnings:
+            summary["warnings"] = warnings
         if self.error:
             summary["error"] = self.error
         return summary

@@ -299,10 +299,12 @@ class DashboardSession:
         for button in self.buttons:
             if button.disabled == allowed:
                 button.disabled = not allowed
-        if self._due("status", 1.0, force or view["status"] != self._shown.get("status")):
-            self._shown["status"] = view["status"]
+        warnings = view.get("warnings") or []
+        if self._due("status", 1.0, force or (view["status"], len(warnings)) != self._shown.get("status")):
+            self._shown["status"] = (view["status"], len(warnings))
             self._show("status", f"**{view['status']}** · {info.get('strategy', '')} · owner {info.get('owner', '?')} · "
-                                 f"{view['samples_per_s']:,.0f} samples/s · your role: {role}")
+                                 f"{view['samples_per_s']:,.0f} samples/s · your role: {role}"
+                                 + "".join(f"\n\n⚠ {text}" for text in warnings))
 
     def _due(self, name: str, period_s: float, now: bool = False) -> bool:
         """Whether `name` may be redrawn: `now`, or at least `period_s` after its last redraw."""

@@ -28,9 +28,15 @@ def get_strategy(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def suggested_sgd(name: str) -> dict[str, float]:
+    """The SGD learning rate and momentum strategy `name` trains well with by default."""
+    return dict(get_strategy(name).suggested_sgd)
+
+
 def make_settings(name: str, values: dict[str, Any]) -> StrategySettings:
     """Validated settings of strategy `name`, raising `ConfigError` for unknown or bad values."""
     return build_settings(get_strategy(name), values)
 
 
-__all__ = ["STRATEGIES", "Strategy", "StrategySettings", "TrainingContext", "get_strategy", "make_settings", "register"]
+__all__ = ["STRATEGIES", "Strategy", "StrategySettings", "TrainingContext", "get_strategy", "make_settings", "register",
+           "suggested_sgd"]

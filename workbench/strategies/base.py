@@ -66,6 +66,9 @@ class Strategy:
     # instead of dropping them.
     keeps_gradient_buffers: bool = False
     summary: ClassVar[str] = ""
+    # The SGD learning rate and momentum this strategy trains well with by default (the CLI's defaults):
+    # what suits synchronous training overshoots under asynchrony (see AsyncSGD).
+    suggested_sgd: ClassVar[dict[str, float]] = {"lr": 0.1, "momentum": 0.9}
     # True when the workers' weights drift apart between synchronisations: a checkpoint takes their mean.
     local_weights_drift: ClassVar[bool] = False
     # Set when the run's group of workers is being ended after a loss: close without waiting on others.

@@ -1,0 +1,51 @@
+"""Every strategy trains `digits` from the command line with its own defaults, short or long; a run that
+does not learn says so while it runs (issue 18, item 0).
+
+Through the CLI's own `main()` against the session's cluster (`--scheduler`), so the flags, their defaults
+and the printed summary are the ones a user gets, without starting a cluster per run.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from workbench import cli
+from workbench.health import WARNING_KIND
+from workbench.rundir import read_metrics
+from workbench.strategies import STRATEGIES
+
+
+def _train(client, tmp_path, capsys, *flags: str) -> tuple[int, str, str]:
+    code = cli.main(["train", "--dataset", "digits", "--workers", "2", "--scheduler", client.scheduler.address,
+                     "--no-progress", "--run-dir", str(tmp_path), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("epochs", [5, 40])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.timeout(180)
+def test_each_strategy_trains_digits_with_its_own_defaults(strategy, epochs, client, tmp_path, capsys):
+    code, out, err = _train(client, tmp_path, capsys, "--strategy", strategy, "--epochs", str(epochs))
+    assert code == 0, err
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.9, out
+    assert "warning" not in out + err  # a run that learns raises no alarm
+
+
+@pytest.mark.timeout(180)
+def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_path, capsys):
+    # What the CLI's old defaults did to `async`: momentum 0.9 on stale pushes sent the loss to chance.
+    code, out, err = _train(client, tmp_path, capsys, "--strategy", "async", "--epochs", "5",
+                            "--lr", "0.1", "--momentum", "0.9")
+    assert code == 0, err
+    assert float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1)) < 0.5
+    assert "warning: the training loss" in out and "momentum 0.5-0.6" in out
+    records = read_metrics(next(tmp_path.iterdir()))
+    warnings = [r for r in records if r["kind"] == WARNING_KIND]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert warnings and {w["reason"] for w in warnings} <= {"not-learning", "loss-climbing"}
+    # Said while the run trained: steps followed the warning on disk.
+    first = records.index(warnings[0])
+    assert any(r["kind"] == "step" for r in records[first:]) and warnings[0]["step"] < max(r["step"] for r in steps)
