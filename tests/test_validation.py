@@ -42,7 +42,7 @@ BAD_JOBS = [
     ("batch_size", dict(batch_size=0)),
     ("batch_size", dict(batch_size=2.5)),
     ("epochs", dict(epochs=0)),
-    ("epochs", dict(epochs=None)),
+    ("epochs", dict(epochs=2.5)),
     ("steps", dict(steps=-3)),
     ("eval_every", dict(eval_every=0)),
     ("device", dict(device="tpu")),
@@ -57,6 +57,74 @@ def test_bad_job_fields_are_refused_naming_the_parameter(parameter, changes):
     assert caught.value.parameter == parameter
     assert str(caught.value).startswith(f"{parameter}=")
     assert "expected" in str(caught.value)
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """A map-style dataset of (input, label) items, as users write them."""
+
+    def __init__(self, inputs, targets):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
+
+_X, _Y = torch.rand(200, 64), torch.randint(0, 10, (200,))
+
+
+def _with_nan(inputs, sample=17, position=5):
+    inputs = inputs.clone()
+    inputs[sample, position] = float("nan")
+    return inputs
+
+
+def _dask_pair(inputs, targets):
+    import dask.array as da
+
+    return da.from_array(inputs.numpy(), chunks=50), da.from_array(targets.numpy(), chunks=50)
+
+
+# Data that cannot train the model: refused by prepare() with the data named and the offending values said.
+BAD_DATA = [
+    ("data", dict(data=(_X, torch.randint(0, 27, (200,)))), "labels 0..9: the model has 10 outputs"),
+    ("data", dict(data=_Pairs(_X, torch.randint(10, 27, (200,)))), "labels from 10 to"),
+    ("data", dict(data=(_with_nan(_X), _Y)), "nan at sample 17, position 5"),
+    ("data", dict(data=_Pairs(_with_nan(_X, sample=3), _Y)), "sample 3, position 5"),
+    ("data", dict(data=(_X[:0], _Y[:0])), "0 samples"),
+    ("data", dict(data=_Pairs(_X[:0], _Y[:0])), "0 samples"),
+    ("data", dict(data=(torch.randint(0, 16, (200, 64)), _Y)), "convert them (inputs.float())"),
+    ("data", dict(data=(_X, _Y.float())), "class indices (an integer dtype)"),
+    ("data", dict(data=(_X[:, :60], _Y)), "inputs have 60 features; the model's first layer takes 64"),
+    ("data", dict(data=_dask_pair(_X[:, :60], _Y)), "inputs have 60 features"),
+    ("data", dict(data=_dask_pair(_X, _Y + 5)), "labels 0..9"),
+    ("data", dict(data=(_X, _Y), loss="mse"), "targets the loss 'mse' can take"),
+    ("eval_data", dict(eval_data=(_X, torch.randint(0, 12, (200,)))), "labels 0..9"),
+    ("steps", dict(epochs=3, steps=10), "either epochs"),
+    ("loss", dict(loss=lambda outputs, targets: outputs.sum(dim=1)), "returning a scalar tensor"),
+    ("loss", dict(loss=lambda outputs, targets: torch.nn.functional.mse_loss(outputs, targets)),
+     "targets torch.int64 of shape (32,)"),
+]
+
+
+@pytest.mark.parametrize("parameter,changes,fragment", BAD_DATA, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD_DATA)])
+def test_data_the_model_cannot_take_is_refused_before_anything_starts(parameter, changes, fragment):
+    with pytest.raises(ConfigError) as caught:
+        good_job(**changes).prepare()
+    assert caught.value.parameter == parameter
+    assert str(caught.value).startswith(f"{parameter}=") and "expected" in str(caught.value)
+    assert fragment.lower() in str(caught.value).lower(), str(caught.value)
+
+
+def test_a_dataset_that_cannot_be_read_is_named():
+    class Broken(_Pairs):
+        def __getitem__(self, index):
+            raise KeyError(index)
+
+    with pytest.raises(ConfigError, match=r"^data=.*Reading its first 32 items raised KeyError"):
+        good_job(data=Broken(_X, _Y)).prepare()
 
 
 BAD_SETTINGS = [
@@ -156,6 +224,9 @@ BAD_RUNS = [
     ("workers", ConfigError, lambda c, d: workbench.train(good_job(), client=c, run_dir=d, workers=5)),
     ("data", ConfigError, lambda c, d: workbench.train(good_job(data=(np.zeros((10, 3)), np.zeros(9))),
                                                        client=c, run_dir=d)),
+    ("data", ConfigError, lambda c, d: workbench.train(good_job(data=(_X, _Y + 20)), "async", client=c, run_dir=d)),
+    ("data", ConfigError, lambda c, d: workbench.train(good_job(data=(_with_nan(_X), _Y)), client=c, run_dir=d)),
+    ("steps", ConfigError, lambda c, d: workbench.train(good_job(epochs=2, steps=5), client=c, run_dir=d)),
     ("model", ConfigError, lambda c, d: workbench.train(good_job(model=_unpicklable_factory()), client=c, run_dir=d)),
     ("run_dir", ConfigError, lambda c, d: workbench.train(good_job(), client=c, run_dir=_a_file(d))),
     ("shards", ConfigError, lambda c, d: workbench.train(good_job(), "async", client=c, run_dir=d, shards=3)),

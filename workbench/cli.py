@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("train", help="train a model on the embedded cluster or an existing one")
     run.add_argument("--strategy", default="allreduce", choices=sorted(STRATEGIES), help="how workers combine results")
     run.add_argument("--workers", type=_positive_int, default=2, help="worker processes that train (default 2)")
-    run.add_argument("--epochs", type=_positive_int, default=5, help="passes over each worker's shard")
-    run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker (overrides --epochs)")
+    run.add_argument("--epochs", type=_positive_int, default=None, help="passes over each worker's shard (default 5)")
+    run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker, instead of --epochs")
     run.add_argument("--lr", type=_positive_float, default=None,
                      help="learning rate (default: the strategy's: 0.2 for async/ssp, 0.1 for the others with sgd, "
                           "0.001 with adam/adamw)")
@@ -114,7 +114,8 @@ def _train(arguments: argparse.Namespace) -> int:
     job = Job(
         model=mlp(features, classes, arguments.hidden), data=splits, optimizer=arguments.optimizer,
         momentum=momentum, batch_size=arguments.batch_size,
-        epochs=arguments.epochs, steps=arguments.steps, lr=lr, seed=arguments.seed,
+        epochs=arguments.epochs if arguments.epochs or arguments.steps else DEFAULT_EPOCHS, steps=arguments.steps,
+        lr=lr, seed=arguments.seed,
     )
     settings = {name: getattr(arguments, name) for name in SETTING_FLAGS if getattr(arguments, name) is not None}
     job.prepare()  # refuse bad values before a cluster is started
@@ -137,6 +138,7 @@ def _hyperparameters(arguments: argparse.Namespace) -> tuple[float, float]:
 
 
 ADAM_LR = 1e-3
+DEFAULT_EPOCHS = 5
 
 
 def _with_client(arguments: argparse.Namespace, start: Any) -> int:

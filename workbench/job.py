@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .data import DataSource, Splits, as_source, resolve_dataset
+from .datacheck import check_data
 from .errors import ConfigError
 
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
@@ -42,10 +43,10 @@ class Job:
     """Momentum for 'sgd'."""
     batch_size: int = 32
     """Samples per step on each worker."""
-    epochs: int | None = 1
-    """Passes over each worker's shard; ignored when `steps` is given."""
+    epochs: int | None = None
+    """Passes over each worker's shard (1 when neither this nor `steps` is given)."""
     steps: int | None = None
-    """Total optimizer steps per worker; overrides `epochs`."""
+    """Total optimizer steps per worker, instead of `epochs`."""
     lr: float = 0.01
     """Learning rate (changeable while running)."""
     seed: int = 0
@@ -103,16 +104,21 @@ class Job:
         check_lr(self.lr)
         _check_number("batch_size", self.batch_size, minimum=1, integer=True)
         _check_number("seed", self.seed, minimum=0, integer=True)
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError("steps", self.steps, f"None when epochs={self.epochs!r} is given",
+                              "Give either epochs (passes over each worker's shard) or steps (per worker), not both")
         if self.steps is None:
-            if self.epochs is None:
-                raise ConfigError("epochs", None, "a positive integer when steps is not given")
-            _check_number("epochs", self.epochs, minimum=1, integer=True)
+            if self.epochs is not None:
+                _check_number("epochs", self.epochs, minimum=1, integer=True)
         else:
             _check_number("steps", self.steps, minimum=1, integer=True)
         if self.eval_every is not None:
             _check_number("eval_every", self.eval_every, minimum=1, integer=True)
         if self.device not in DEVICES:
             raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
+        check_data("data", train, sample_model, self.loss, loss_function(self), self.batch_size)
+        if evaluation is not None:
+            check_data("eval_data", evaluation, sample_model, self.loss, loss_function(self), self.batch_size)
         # device='cuda' is checked on the workers: they may have GPUs the client lacks.
         return PreparedJob(self, train, evaluation, n_parameters)
 
@@ -143,7 +149,7 @@ class PreparedJob:
     def total_steps(self, shard_samples: int) -> int:
         if self.job.steps is not None:
             return self.job.steps
-        return self.job.epochs * self.steps_per_epoch(shard_samples)  # type: ignore[operator]
+        return (self.job.epochs or 1) * self.steps_per_epoch(shard_samples)
 
 
 def make_optimizer(job: Job, parameters) -> torch.optim.Optimizer:
