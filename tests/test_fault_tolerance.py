@@ -67,7 +67,11 @@ STRATEGY_CASES = [
     ("average", {"period": 2}, dict(lr=0.1, momentum=0.9), 2),
     # rank 0's worker holds the parameter server's only shard
     ("async", {"push_every": 1}, dict(lr=0.05, momentum=0.7), 0),
+    ("ssp", {"push_every": 1}, dict(lr=0.05, momentum=0.7), 0),
+    ("easgd", {"period": 2}, dict(lr=0.1, momentum=0.9), 0),
 ]
+# The killed-worker runs wait this long on a peer at most: regrouping must not depend on it.
+LONG_TIMEOUT_S = 60.0
 
 
 @pytest.mark.timeout(240)
@@ -77,7 +81,7 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     every = 40
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=8, loss=_slow_loss,
                         **job_changes)
-    run = workbench.train(job, strategy, client=cluster3, run_dir=tmp_path, collective_timeout_s=TIMEOUT_S,
+    run = workbench.train(job, strategy, client=cluster3, run_dir=tmp_path, collective_timeout_s=LONG_TIMEOUT_S,
                           checkpoint_every_steps=every, checkpoint_every_s=None, min_workers=2, **settings)
     addresses = list(run.worker_addresses)
     assert len(addresses) == 3
@@ -92,10 +96,14 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     regrouped = run.events("regrouped")
     assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [target]
     assert sorted(regrouped[0]["workers"]) == sorted(a for a in addresses if a != target)
-    # Noticed at once; the survivors regrouped within the configured timeout (plus scheduling slack: a
-    # survivor blocked on the dead peer may wait out its collective timeout under load).
+    # Noticed at once, and the survivors regrouped soon after, whatever the (long) timeout: nobody waits
+    # for a peer or a server shard known to be gone.
     assert lost[0]["time"] - killed_at < 3
-    assert regrouped[0]["time"] - killed_at < TIMEOUT_S + 3
+    assert regrouped[0]["time"] - lost[0]["time"] < 2
+    # The survivors left the broken group; none is recorded as failed.
+    assert not run.events("worker-failed")
+    left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}
+    assert left <= {r for r in range(3) if r != victim}
     # The run went on from its last checkpoint: what the survivors lost is at most one interval.
     first_group = [r for r in run.table.steps().to_dict("records") if r["time"] < regrouped[0]["time"]]
     reached = max(r["step"] for r in first_group) + 1

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_positive_float, default=60.0, dest="collective_timeout_s",
                      help="seconds any wait on another worker may take before that worker counts as lost")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--oversubscribe", action="store_true",
+                     help="start more local workers than this machine's cores and memory hold")
     commands.add_parser("dashboard", add_help=False,
                         help="serve the team dashboard of a cluster (workbench dashboard --help)")
     return parser
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard.main(argv[1:])
     parser = build_parser()
     arguments = parser.parse_args(argv)  # argparse prints a one-line usage error and exits 2
+    # A terminated command (a timeout, a job scheduler) cleans up as an interrupted one does: the run
+    # stops, and the cluster it started is closed, however far its start-up got.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         return _train(arguments)
     except WorkbenchError as error:
@@ -100,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _train(arguments: argparse.Namespace) -> int:
@@ -150,7 +165,8 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
     if arguments.scheduler:
         client = cluster_module.connect(scheduler=arguments.scheduler, security=security)
     else:
-        client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0")
+        client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0",
+                                        oversubscribe=arguments.oversubscribe)
     try:
         run = start(client)
         _follow(run, disable=arguments.no_progress)

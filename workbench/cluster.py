@@ -12,14 +12,21 @@ Only Dask's own connections are encrypted: torch.distributed's (gloo, NCCL) betw
 from __future__ import annotations
 
 import contextlib
+import inspect
+import linecache
 import logging
+import multiprocessing
 import os
 import ssl
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import dask
+import psutil
+from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster, Security
+from distributed.system import MEMORY_LIMIT
 
 from .errors import ClusterError, ConfigError
 
@@ -47,6 +54,10 @@ TRAINING_CONFIG: dict[str, Any] = {
     "distributed.admin.low-level-log-length": 10_000,
 }
 KINDS = ("auto", "cpu", "cuda")
+# How many local worker threads a machine holds: a few per core still train (waiting on each other in
+# turn), hundreds only thrash; and each worker process with torch loaded takes about this much memory.
+THREADS_PER_CORE = 4
+WORKER_MEMORY_BYTES = 400 * 2**20
 
 
 def count_gpus() -> int:
@@ -92,6 +103,49 @@ def choose_kind(kind: str, workers: int | None) -> str:
     return "cpu"
 
 
+def check_local_capacity(workers: int, threads_per_worker: int, cores: int, memory_bytes: int) -> None:
+    """Refuse more local workers than this machine can hold (`ConfigError` naming `workers`)."""
+    by_cores = max(1, cores * THREADS_PER_CORE // threads_per_worker)
+    by_memory = max(1, memory_bytes // WORKER_MEMORY_BYTES)
+    if workers > min(by_cores, by_memory):
+        raise ConfigError("workers", workers,
+                          f"at most {min(by_cores, by_memory)} local workers on this machine ({cores} cores, "
+                          f"{memory_bytes / 2**30:.1f} GiB of memory: up to {THREADS_PER_CORE} worker threads a core "
+                          f"and about {WORKER_MEMORY_BYTES // 2**20} MiB a worker)",
+                          "For more workers connect to a cluster of several machines (scheduler=...); to start them "
+                          "here anyway pass oversubscribe=True (--oversubscribe)")
+
+
+def check_main_guard(stack: list[Any] | None = None) -> None:
+    """Refuse to start local worker processes from the top level of a script without a main guard.
+
+    Dask starts its workers with the 'spawn' method, which imports the script again in every new process:
+    an unguarded `connect()` there starts a cluster inside each worker, and Dask reports only
+    'Nanny failed to start' under screens of tracebacks. Judged from the line of the script's top-level
+    code that led here: unindented and not itself an `if __name__ == ...` line means unguarded.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or not getattr(main, "__file__", None):
+        return  # an interactive session or a notebook: nothing is imported again
+    if multiprocessing.parent_process() is not None and main.__name__ == "__mp_main__":
+        raise ClusterError(MAIN_GUARD_MESSAGE.format(script=main.__file__))  # the re-import itself
+    for frame_info in stack if stack is not None else inspect.stack(context=1)[1:]:
+        frame = frame_info.frame
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            line = linecache.getline(frame.f_code.co_filename, frame_info.lineno)
+            if line and not line[0].isspace() and not line.lstrip().startswith("if __name__"):
+                raise ClusterError(MAIN_GUARD_MESSAGE.format(script=frame.f_code.co_filename)
+                                   + f" (line {frame_info.lineno}: {line.strip()})")
+            return
+
+
+MAIN_GUARD_MESSAGE = (
+    "a local cluster cannot start from the top level of {script}: Dask starts each worker process by importing "
+    "the script again, which would start another cluster in every worker. Put the code that starts the "
+    "cluster under a main guard:\n\n    if __name__ == \"__main__\":\n        client = workbench.connect(workers=2)"
+    "\n        ...")
+
+
 def connect(
     scheduler: str | None = None,
     workers: int | None = None,
@@ -100,6 +154,7 @@ def connect(
     dashboard_address: str | None = "127.0.0.1:8787",
     security: Any = None,
     timeout_s: float = 10.0,
+    oversubscribe: bool = False,
     **cluster_options: Any,
 ) -> Client:
     """A Dask client for training.
@@ -109,7 +164,10 @@ def connect(
     kind: 'auto', 'cpu' or 'cuda' for a cluster started here.
     security: a `distributed.Security` (see `security_from_files`), passed through untouched; for a
     cluster started here also True: TLS with temporary self-signed certificates (needs `cryptography`).
+    oversubscribe: start more local workers than this machine holds (refused otherwise, see
+    `check_local_capacity`).
     A cluster started here is closed with the client: use `shutdown(client)` or `client_session(...)`.
+    Whatever interrupts starting it (Ctrl-C, an error), no worker process is left behind.
     """
     if security is False:
         security = None
@@ -123,9 +181,14 @@ def connect(
     if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
         raise ConfigError("threads_per_worker", threads_per_worker, "an integer >= 1")
     chosen = choose_kind(kind, workers)
+    if not isinstance(oversubscribe, bool):
+        raise ConfigError("oversubscribe", oversubscribe, "True or False")
+    if chosen == "cpu" and not oversubscribe:
+        check_local_capacity(workers or 2, threads_per_worker, CPU_COUNT, MEMORY_LIMIT)
+    check_main_guard()
     if security is True:
         security = _temporary_security()  # made here, so a missing `cryptography` is a ConfigError
-    with dask.config.set(TRAINING_CONFIG):
+    with dask.config.set(TRAINING_CONFIG), _no_process_left_if_interrupted():
         if chosen == "cuda":
             from dask_cuda import LocalCUDACluster
 
@@ -141,6 +204,27 @@ def connect(
         client = Client(local, security=local.security if security is not None else None)
     client._workbench_owns_cluster = True  # type: ignore[attr-defined]
     return client
+
+
+@contextlib.contextmanager
+def _no_process_left_if_interrupted() -> Iterator[None]:
+    """Kill the processes started inside the block (and theirs) if it does not complete: a cluster whose
+    start-up is interrupted leaves its worker processes running otherwise (hundreds, once, measured)."""
+    me = psutil.Process()
+    before = {child.pid for child in me.children(recursive=True)}
+    try:
+        yield
+    except BaseException:
+        # Again while new ones appear: the cluster's event-loop thread may still be spawning workers.
+        for _ in range(20):
+            started = [child for child in me.children(recursive=True) if child.pid not in before]
+            if not started:
+                break
+            for child in started:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            psutil.wait_procs(started, timeout=5)
+        raise
 
 
 def shutdown(client: Client) -> None:

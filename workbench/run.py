@@ -550,8 +550,7 @@ class Run:
         self._end_group()
         # Workers leave at their next step or as their peers' connections close; one still busy after a
         # whole timeout more is stuck (in user code, say) and counts as lost.
-        settled = FutureWatch(futures).wait(timeout=self._collective_timeout_s)
-        self._take_membership_changes()
+        self._wait_for_survivors(futures, addresses)
         present = set(self.client.scheduler_info(n_workers=-1)["workers"])
         lost = set()
         for future, address in zip(futures, addresses):
@@ -564,8 +563,9 @@ class Run:
             elif not future.done():  # stuck past every timeout: treated as lost
                 lost.add(address)
                 self._record_lost(address, time.time(), f"stuck: no answer within {self._collective_timeout_s:g} s")
-        if not settled:
-            self.client.cancel([f for f in futures if not f.done()], force=True)
+        unfinished = [f for f in futures if not f.done()]
+        if unfinished:  # the lost workers' tasks (a nanny's restarted worker would wait for them), the stuck
+            self.client.cancel(unfinished, force=True)
         if not lost:
             self._fail(futures, addresses)
             return None
@@ -590,6 +590,21 @@ class Run:
                        "workers": survivors, "lost": sorted(lost), "from_step": from_step,
                        "reason": "workers lost"})
         return survivors, checkpoint
+
+    def _wait_for_survivors(self, futures: list[Any], addresses: list[str]) -> None:
+        """Wait until every worker not known lost has left (at most one collective timeout).
+
+        Not for the lost ones: their tasks may never end (a `dask worker` nanny restarts the process under
+        a new address, and the scheduler keeps the task for the old one), and waiting for them held every
+        regroup back by the whole timeout.
+        """
+        deadline = time.monotonic() + self._collective_timeout_s
+        while True:
+            self._take_membership_changes()
+            waiting = [f for f, a in zip(futures, addresses) if a not in self._lost and not f.done()]
+            if not waiting or time.monotonic() >= deadline:
+                return
+            FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, deadline - time.monotonic())))
 
     def _end_group(self) -> None:
         """Tell every worker of the current group to leave at once (no final synchronisation)."""

@@ -298,16 +298,35 @@ class ServerClient:
             slice_s = min(WAIT_SLICE_S, remaining)
             try:
                 # Clocks live on shard 0, the coordinator.
-                reply = self.actors[0].wait_for_clock(worker, clock, max_staleness, slice_s).result(slice_s + 5)
+                reply = self._answer(self.actors[0].wait_for_clock(worker, clock, max_staleness, slice_s), slice_s + 5)
                 return {**reply, "waited_s": time.perf_counter() - started, "interrupted": False}
             except TimeoutError:
+                if self._abandoned():  # the slowest worker may be the lost one
+                    raise TrainingError("the run's group of workers was ended while waiting for the slowest "
+                                        "worker") from None
                 if interrupted():
                     return {"waited_s": time.perf_counter() - started, "interrupted": True}
+
+    def _answer(self, future: Any, timeout_s: float) -> Any:
+        """An actor call's result, ending the wait at once when the group is ended: a shard on a lost
+        worker never answers. TimeoutError: the actor's own (its wait ended) or none within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(min(WAIT_SLICE_S / 5, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if future.done() or time.monotonic() >= deadline:
+                    raise
+                if self._abandoned():
+                    raise TrainingError("the run's group of workers was ended while waiting for the slowest "
+                                        "worker") from None
 
     def finish(self, worker: int, world_size: int) -> int:
         """Say this worker is done, then wait until all are (the final weights are complete then)."""
         self.announce_finished(worker)
-        return self.actors[0].wait_finished(list(range(world_size)), self.timeout_s).result(self.timeout_s + 5)
+        waiting = self._call_first(lambda actor: actor.wait_finished(list(range(world_size)), self.timeout_s))
+        replies, _ = waiting.result(self.timeout_s + 5)
+        return replies[0]
 
     def announce_finished(self, worker: int) -> None:
         self._call(lambda actor, _: actor.finish(worker)).result(self.timeout_s)
@@ -324,6 +343,10 @@ class ServerClient:
     def stats(self) -> list[dict[str, Any]]:
         replies, _ = self._call(lambda actor, _: actor.stats()).result(self.timeout_s)
         return replies
+
+    def _call_first(self, method: Callable[[Any], Any]) -> Call:
+        """A call to shard 0 alone (the coordinator), waited on in slices like every other."""
+        return Call([method(self.actors[0])], self._loop, self._abandoned)
 
     def _call(self, method: Callable[[Any, int], Any]) -> Call:
         return Call([method(actor, index) for index, actor in enumerate(self.actors)], self._loop, self._abandoned)

@@ -94,7 +94,8 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation)
         return result
     except BaseException as error:
-        if not (isinstance(error, _Superseded) or loop.superseded()):
+        if not (isinstance(error, _Superseded) or loop.superseded()
+                or (peer_lost(error) and loop.await_verdict(min(VERDICT_WAIT_S, task.collective_timeout_s)))):
             sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
                          traceback=traceback.format_exc(), generation=task.generation)
             raise
@@ -116,6 +117,21 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
             # The context's callbacks point back at the loop: without this cycle broken, the strategy (and
             # a parameter server's actors) would stay alive until the worker's next garbage collection.
             loop.context = loop.strategy = None
+
+
+# Words of the errors a worker sees when a peer (or the worker holding a server shard) dies under it.
+PEER_LOSS_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
+                   "commclosederror", "stream is closed", "was ended")
+VERDICT_WAIT_S = 5.0  # how long a worker whose peer vanished waits to learn whether the client ended the group
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` looks like a peer's or a server shard's loss rather than a failure of this worker.
+    A timeout is not: a stuck peer is found out by the client only through the survivors' reports."""
+    if isinstance(error, (ConnectionError, EOFError)):
+        return True
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(words in text for words in PEER_LOSS_WORDS)
 
 
 def _task_released(worker: Any, key: Any) -> bool:
@@ -145,6 +161,17 @@ class _Loop:
     def superseded(self) -> bool:
         """Whether the client has ended this group of workers, or no longer wants this task."""
         return self.poller.latest().generation > self.task.generation or self.poller.released()
+
+    def await_verdict(self, timeout_s: float) -> bool:
+        """After a peer vanished: whether the client ends this group within `timeout_s` (it does once it
+        notices the loss, within a second or so). A survivor then leaves instead of reporting the broken
+        connection as a failure of its own, which misled the run's records."""
+        deadline = time.monotonic() + timeout_s
+        while not self.superseded():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(CONTROL_POLL_S / 4)  # the poller's thread refreshes the state every CONTROL_POLL_S
+        return True
 
     def run(self, train_data: Any, eval_data: DataSource | None,
             resume_from: dict[str, Any] | None = None) -> dict[str, Any]:

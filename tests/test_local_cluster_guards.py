@@ -1,0 +1,110 @@
+"""Starting the embedded cluster safely: more workers than the machine holds are refused at once, a
+script without a main guard is told what to do, and an interrupted start-up leaves no process behind
+(issue 18, items 4 and 6)."""
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+import workbench
+from workbench.cluster import check_local_capacity
+from workbench.errors import ClusterError, ConfigError
+
+from helpers import wait_until
+
+WORKBENCH = str(Path(sys.executable).with_name("workbench"))
+
+
+def test_capacity_is_judged_by_cores_and_memory():
+    check_local_capacity(8, 1, cores=2, memory_bytes=24 * 2**30)  # 4 threads a core still train
+    with pytest.raises(ConfigError, match=r"^workers=9 .*at most 8 local workers on this machine \(2 cores, 24.0 GiB"):
+        check_local_capacity(9, 1, cores=2, memory_bytes=24 * 2**30)
+    with pytest.raises(ConfigError, match=r"at most 2 local workers"):
+        check_local_capacity(3, 4, cores=2, memory_bytes=24 * 2**30)  # threads count, not processes
+    with pytest.raises(ConfigError, match=r"at most 5 local workers .*2.0 GiB"):
+        check_local_capacity(6, 1, cores=64, memory_bytes=2 * 2**30)  # memory bounds too
+
+
+def test_too_many_local_workers_are_refused_before_any_process_starts():
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError) as caught:
+        workbench.connect(workers=500)
+    assert caught.value.parameter == "workers" and "cores" in str(caught.value) and "GiB" in str(caught.value)
+    assert "oversubscribe=True" in str(caught.value)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == children
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_refuses_too_many_workers_in_one_line(tmp_path):
+    result = subprocess.run([WORKBENCH, "train", "--workers", "500", "--run-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "workers=500" in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.timeout(120)
+def test_an_interrupted_start_up_leaves_no_process_behind(signum, tmp_path):
+    command = subprocess.Popen([WORKBENCH, "train", "--workers", "6", "--oversubscribe", "--no-progress",
+                                "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen: set[psutil.Process] = set()
+
+    def workers_starting() -> bool:  # interrupted while the cluster's processes are being spawned
+        try:
+            seen.update(psutil.Process(command.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            return True
+        return len(seen) >= 2
+
+    try:
+        wait_until(workers_starting, timeout_s=60)
+        command.send_signal(signum)
+        command.wait(timeout=60)
+        gone, alive = psutil.wait_procs(list(seen), timeout=30)
+        assert seen and not alive, f"left behind: {[p.pid for p in alive]}"
+        assert command.returncode != 0
+    finally:
+        for process in [command, *seen]:
+            try:
+                process.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+
+
+@pytest.mark.timeout(90)
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text(textwrap.dedent("""\
+        import workbench
+
+        client = workbench.connect(workers=2)
+        print("connected")
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80)
+    assert result.returncode != 0 and "connected" not in result.stdout
+    assert 'if __name__ == "__main__":' in result.stderr and "line 3: client = workbench.connect" in result.stderr
+    assert "Nanny failed to start" not in result.stderr
+    assert result.stderr.count("Traceback") == 1  # ours, not one per worker
+
+
+def test_a_guarded_call_and_a_one_line_guard_are_let_through(tmp_path):
+    class Frame:  # what inspect.stack() gives: the frame and the line it is at
+        def __init__(self, source_file, lineno):
+            self.frame = type("F", (), {"f_code": type("C", (), {"co_name": "<module>", "co_filename": str(source_file)}),
+                                        "f_globals": {"__name__": "__main__"}})()
+            self.lineno = lineno
+
+    from workbench.cluster import check_main_guard
+
+    source = tmp_path / "script.py"
+    lines = ["import workbench", "if __name__ == '__main__': workbench.connect()", "if __name__ == '__main__':",
+             "    workbench.connect()", "workbench.connect()"]
+    source.write_text("\n".join(lines) + "\n")
+    check_main_guard([Frame(source, 2)])
+    check_main_guard([Frame(source, 4)])
+    with pytest.raises(ClusterError, match="line 5"):
+        check_main_guard([Frame(source, 5)])
