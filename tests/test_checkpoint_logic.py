@@ -59,6 +59,7 @@ def test_checkpoints_are_written_whole_or_not_at_all(tmp_path):
 
 
 def test_loading_says_what_is_wrong_with_a_run_directory(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ResumeError, match="checkpoint_every"):
         checkpoints.load(tmp_path)
     (tmp_path / checkpoints.CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
@@ -110,3 +111,18 @@ def test_lost_workers_and_regroups_are_marked_on_the_loss_chart():
     table.add([{"kind": "worker-started", "worker": 2, "address": "tcp://w:3", "time": 1.0}, events[0]])
     (row,) = table.live_view()["workers"]
     assert row["state"] == "lost"
+
+
+def test_resuming_from_a_missing_empty_or_checkpointless_directory_says_which(tmp_path):
+    from workbench.checkpoint import load
+    from workbench.errors import ResumeError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "config.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    expected = {"missing": "No such directory", "empty": "It is empty", "a-file": "It is a file",
+                "early": "ended before its first checkpoint"}
+    for name, words in expected.items():
+        with pytest.raises(ResumeError, match=f"^run_dir=.*{words}"):
+            load(tmp_path / name)

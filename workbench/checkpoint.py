@@ -77,7 +77,14 @@ def save(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
 
 def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint of a run directory, or `ResumeError` saying what is missing."""
-    path = Path(run_dir) / CHECKPOINT_FILE
+    directory = Path(run_dir)
+    if not directory.exists():
+        raise ResumeError("run_dir", str(run_dir), "an existing run directory", "No such directory")
+    if not directory.is_dir():
+        raise ResumeError("run_dir", str(run_dir), "a run directory", "It is a file")
+    if not any(directory.iterdir()):
+        raise ResumeError("run_dir", str(run_dir), "a run directory", "It is empty: no run was ever started there")
+    path = directory / CHECKPOINT_FILE
     if not path.is_file():
         raise ResumeError("run_dir", str(run_dir), f"a run directory holding {CHECKPOINT_FILE}",
                           "The run ended before its first checkpoint; set checkpoint_every_steps or "

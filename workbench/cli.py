@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 import threading
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _train(arguments)
     except WorkbenchError as error:
-        print(f"workbench: error: {error}".splitlines()[0], file=sys.stderr)
+        # Bad input in one line; a failed run in full (what failed where, and how to go on).
+        text = f"{error}".splitlines()[0] if isinstance(error, ValueError) else f"{error}".strip()
+        print(f"workbench: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
@@ -164,6 +167,9 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
                           "The embedded cluster needs no certificates")
     if arguments.scheduler:
         client = cluster_module.connect(scheduler=arguments.scheduler, security=security)
+        # When the scheduler goes, Dask's client logs each failed reconnection with a traceback; the run
+        # says what happened and how to go on, once.
+        logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
     else:
         client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0",
                                         oversubscribe=arguments.oversubscribe)

@@ -44,6 +44,11 @@ from .worker import WorkerTask, train_on_worker
 
 FINISHED_STATES = ("finished", "stopped", "failed")
 SUPERVISION_TICK_S = 0.25  # how often the supervisor looks at membership, checkpoints due and joins
+SCHEDULER_LOST_AFTER_S = 3.0  # cut off from the scheduler this long, the run is over (its state is gone)
+
+
+class SchedulerLost(Exception):
+    """The client lost its scheduler while supervising the run."""
 MAX_SAVED_JOB_BYTES = 64 * 2**20  # a job (with its data) larger than this is not saved for resume()
 
 
@@ -209,6 +214,7 @@ class Run:
         self._stop_watching: Any = None
         self._stop_requested = False
         self._checkpoint_lock = threading.Lock()  # the writer thread and the supervisor both store them
+        self._disconnected_since: float | None = None  # since when the client has been cut off from the scheduler
 
     # --- starting -------------------------------------------------------------------------------------
 
@@ -250,9 +256,11 @@ class Run:
         self.directory.write_json(CONFIG_FILE, self.config)
         if not resumed:
             self._save_job()
-        self.directory.append([{"kind": "run-resumed" if resumed else "run-started", "time": time.time(),
-                                "strategy": self.strategy, "settings": dataclasses.asdict(settings),
-                                **({"from_step": self._resume_from["step"]} if resumed else {})}])
+        beginning = [{"kind": "run-resumed" if resumed else "run-started", "time": time.time(),
+                      "strategy": self.strategy, "settings": dataclasses.asdict(settings),
+                      **({"from_step": self._resume_from["step"]} if resumed else {})}]
+        self.directory.append(beginning)
+        self.table.add(beginning)  # run.events() shows what the run directory holds
 
         client.subscribe_topic(topic(self.run_id), self._on_message)
         client.subscribe_topic(requests_topic(self.run_id), self._on_request)
@@ -350,6 +358,12 @@ class Run:
         self._publish({"kind": "generation-started", "time": time.time(), "generation": self.generation,
                        "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
                        "start_step": min(starts), "total_steps": self.total_steps})
+        if checkpoint is not None and checkpoint.get("strategy") not in (None, state.strategy):
+            # A switch asked for while the old group broke up is made as the new group starts: recorded
+            # as rank 0's, as a switch made by the workers is, so that every view marks it.
+            self._publish({"kind": "switched", "rank": 0, "time": time.time(), "step": min(starts),
+                           "from": checkpoint["strategy"], "to": state.strategy, "settings": state.settings,
+                           "generation": self.generation, "at_regroup": True})
 
     def _resolve_client(self, client: Client | None) -> Client:
         if client is not None:
@@ -489,19 +503,52 @@ class Run:
         try:
             self._supervise_tasks()
         except BaseException as error:  # never leave the run looking alive when supervision itself broke
-            self.error = f"supervising the run failed: {type(error).__name__}: {error}"
-            self._end_group()
+            if self._scheduler_lost(error):
+                self.error = self._scheduler_lost_message()
+            else:
+                self.error = f"supervising the run failed: {type(error).__name__}: {error}"
+                self._end_group()
             try:
                 self._end_run("failed")
             except Exception:
                 self.status = "failed"
-            raise
+            # Said through the run's error (wait(), the panel, the CLI); re-raised only if not an Exception,
+            # so that no thread traceback is printed beside it.
+            if not isinstance(error, Exception):
+                raise
         finally:
             self._requests.put(None)  # ends the thread serving other clients' control requests
             self._ready_checkpoints.put(None)  # and the one writing checkpoints
             if self._stop_watching is not None:
                 self._stop_watching()
             self._ended.set()
+
+    def _scheduler_lost(self, error: BaseException) -> bool:
+        return isinstance(error, SchedulerLost) or getattr(self.client, "status", "running") != "running" \
+            or "scheduler-connection-lost" in str(error)
+
+    def _scheduler_lost_message(self) -> str:
+        directory = str(self.directory.path)
+        info = self.checkpoint_info
+        kept = (f"its last checkpoint (step {info['step']} of {self.total_steps}) is kept in {directory}"
+                if info else f"no checkpoint was written yet, so nothing can be resumed from {directory}")
+        message = f"lost the connection to the Dask scheduler at {self.config['scheduler']}: the run ended; {kept}."
+        if info:
+            message += (f" Once a scheduler and workers are up again, go on with workbench.resume({directory!r}, "
+                        f"client=workbench.connect(scheduler=...)) or: workbench train --resume {directory} "
+                        "--scheduler ADDRESS")
+        return message
+
+    def _check_scheduler(self) -> None:
+        """Raise `SchedulerLost` once the client has been cut off from the scheduler for a while: the
+        run's tasks, control state and actors went with it, and Dask alone would wait 30 s to say so."""
+        if getattr(self.client, "status", "running") == "running":
+            self._disconnected_since = None
+            return
+        if self._disconnected_since is None:
+            self._disconnected_since = time.monotonic()
+        elif time.monotonic() - self._disconnected_since >= SCHEDULER_LOST_AFTER_S:
+            raise SchedulerLost(self.client.status)
 
     def _supervise_tasks(self) -> None:
         """Watch one group of workers after another until the run ends."""
@@ -518,6 +565,7 @@ class Run:
         futures, addresses = self._futures, list(self.worker_addresses)
         watch = FutureWatch(futures)
         while not watch.wait(until_first_error=True, timeout=SUPERVISION_TICK_S):
+            self._check_scheduler()
             self._take_membership_changes()
             if self._lost & set(addresses):
                 break
@@ -635,15 +683,18 @@ class Run:
         self._end_run("failed")
 
     def _end_run(self, status: str) -> None:
-        with self._events:  # the workers' last metrics may trail their results by a moment
-            self._events.wait_for(lambda: len(self._finished_workers) >= len(self._futures), timeout=2)
-        for name in (topic(self.run_id), requests_topic(self.run_id)):
-            try:
-                self.client.unsubscribe_topic(name)
-            except Exception:
-                pass
-        self._publish_leftover_warnings()
-        self._control.delete()
+        # Without a scheduler every call to it would wait out Dask's connect timeout: only the files then.
+        connected = getattr(self.client, "status", "running") == "running"
+        if connected:
+            with self._events:  # the workers' last metrics may trail their results by a moment
+                self._events.wait_for(lambda: len(self._finished_workers) >= len(self._futures), timeout=2)
+            for name in (topic(self.run_id), requests_topic(self.run_id)):
+                try:
+                    self.client.unsubscribe_topic(name)
+                except Exception:
+                    pass
+            self._publish_leftover_warnings()
+            self._control.delete()
         self.status = status
         if status != "failed" and self._state_dict is not None:
             self.directory.save_model(self._state_dict)
@@ -651,7 +702,8 @@ class Run:
         summary = self.summary()
         self.directory.write_json(SUMMARY_FILE, summary)
         self.directory.close()
-        self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
+        if connected:
+            self._announce("run-status", samples_per_s=summary.get("samples_per_s"), error=self.error)
 
     # --- checkpoints ----------------------------------------------------------------------------------
 
@@ -1014,7 +1066,9 @@ class Run:
                                    "total_steps": self.total_steps, "workers": len(self.worker_addresses)}
         if not frame.empty:
             rate = self.table.throughput(None)
-            summary.update(steps_done=int(frame.groupby("worker")["step"].max().min()) + 1,
+            # The current group's ranks: a lost worker's rank may have stopped far earlier.
+            current = frame[frame["worker"] < max(1, len(self.worker_addresses))]
+            summary.update(steps_done=int(current.groupby("worker")["step"].max().min()) + 1,
                            samples_per_s=rate["samples_per_s"], final_loss=float(frame["loss"].tail(20).mean()),
                            time_split=time_split(frame))
             staleness = staleness_summary(frame)
