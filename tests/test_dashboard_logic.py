@@ -228,3 +228,18 @@ def test_session_follows_the_newest_run_until_the_viewer_picks_one(tmp_path):
     session.refresh()
     assert session.run_select.value == "first" and session.run_select.options[0] == "third"
     hub.close()
+
+
+def test_a_run_that_is_not_learning_says_so_in_the_status_line_and_on_the_loss_chart(tmp_path):
+    warning = {"kind": "training-warning", "reason": "not-learning", "step": 3, "time": 1003.5,
+               "message": "the training loss is still 2.3 at step 3, where it started (2.3): the run is not learning"}
+    _write_run(tmp_path, "stalled", "olivia", _steps(0, range(6)) + [warning])
+    hub = Hub(None, tmp_path).start()
+    try:
+        session = DashboardSession(hub, Access(sign_in=False), user=None)
+        session.run_select.value = "stalled"
+        session.refresh()
+        assert "⚠ the training loss is still 2.3 at step 3" in session.status.object
+        assert hub.feed("stalled").view()["markers"][-1]["label"] == "warning: not-learning"
+    finally:
+        hub.close()

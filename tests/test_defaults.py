@@ -41,7 +41,7 @@ def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_p
                             "--lr", "0.1", "--momentum", "0.9")
     assert code == 0, err
     assert float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1)) < 0.5
-    assert "warning: the training loss" in out and "momentum 0.5-0.6" in out
+    assert "warning: the training loss" in out and "momentum 0.4-0.6" in out
     records = read_metrics(next(tmp_path.iterdir()))
     warnings = [r for r in records if r["kind"] == WARNING_KIND]
     steps = [r for r in records if r["kind"] == "step"]
@@ -49,3 +49,21 @@ def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_p
     # Said while the run trained: steps followed the warning on disk.
     first = records.index(warnings[0])
     assert any(r["kind"] == "step" for r in records[first:]) and warnings[0]["step"] < max(r["step"] for r in steps)
+
+
+@pytest.mark.timeout(180)
+def test_the_notebook_panel_shows_the_warning(client, tmp_path):
+    import workbench
+    from widgets import ControlPanel
+
+    job = workbench.Job(model=workbench.mlp(64, 10, [128]), data="digits", lr=0.1, momentum=0.9, epochs=5)
+    run = workbench.train(job, "async", client=client, run_dir=tmp_path)
+    panel = ControlPanel(run, refresh_s=0.2)
+    try:
+        assert run.wait(timeout=150) == "finished"
+        assert run.warnings() and run.summary()["warnings"] == run.warnings()
+        panel._draw(run.snapshot())
+        assert "&#9888; the training loss" in panel.message.value
+        assert any(m["label"].startswith("warning: ") for m in run.snapshot()["markers"])
+    finally:
+        panel.close()

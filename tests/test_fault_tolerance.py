@@ -115,11 +115,31 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
         assert all(step % every == 0 for step in checkpoint_steps)
     # The second group of 2 workers trained to the end, and the model is good.
     assert len(run.worker_addresses) == 2 and run.progress() == 1.0
+    assert run.summary()["steps_done"] == run.total_steps  # not where the lost worker stopped
     assert _accuracy(run) >= 0.9
     on_disk = read_metrics(run.directory.path)
     assert any(r.get("kind") == "worker-lost" and r.get("address") == target for r in on_disk)
     wait_until(lambda: _no_process_groups(cluster3), timeout_s=30)
     # The nanny restarts the killed worker: the cluster has 3 workers again for the next test.
+    cluster3.wait_for_workers(3, timeout=60)
+
+
+@pytest.mark.timeout(240)
+def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup(cluster3, tmp_path):
+    cluster3.wait_for_workers(3, timeout=60)
+    job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=6, lr=0.1,
+                        momentum=0.9, loss=_slow_loss)
+    run = workbench.train(job, "allreduce", client=cluster3, run_dir=tmp_path, collective_timeout_s=LONG_TIMEOUT_S,
+                          checkpoint_every_steps=20, checkpoint_every_s=None, min_workers=2)
+    wait_until(lambda: run.checkpoint_info is not None and run.checkpoint_info["step"] >= 20, timeout_s=120)
+    victim = run.worker_addresses[1]
+    os.kill(_pids(cluster3)[victim], signal.SIGKILL)
+    run.switch("average", period=2)  # the group is breaking up: no all-gather can agree on it any more
+    assert run.wait(timeout=200) == "finished"
+    switched = run.events("switched")
+    assert switched and switched[-1]["to"] == "average" and switched[-1]["worker"] == 0
+    assert run.table.steps()["strategy"].iloc[-1] == "average"
+    assert not run.events("worker-failed")
     cluster3.wait_for_workers(3, timeout=60)
 
 
@@ -226,6 +246,7 @@ def test_a_run_whose_client_was_killed_resumes_to_the_same_weights(cluster3, tmp
     resumed = workbench.resume(run_dir, client=cluster3, workers=2)
     assert resumed.run_id == "crashed" and resumed.wait(timeout=200) == "finished"
     assert resumed.events("generation-started")[-1]["from_step"] == crashed_at
+    assert [e["from_step"] for e in resumed.events("run-resumed")] == [crashed_at]  # as the directory says
 
     job = cloudpickle.loads((run_dir / checkpoints.JOB_FILE).read_bytes())
     reference = workbench.train(job, "average", client=cluster3, workers=2, run_dir=tmp_path, period=1,

@@ -108,3 +108,4 @@ def test_a_guarded_call_and_a_one_line_guard_are_let_through(tmp_path):
     check_main_guard([Frame(source, 4)])
     with pytest.raises(ClusterError, match="line 5"):
         check_main_guard([Frame(source, 5)])
+

@@ -127,6 +127,9 @@ def check_main_guard(stack: list[Any] | None = None) -> None:
     main = sys.modules.get("__main__")
     if main is None or not getattr(main, "__file__", None):
         return  # an interactive session or a notebook: nothing is imported again
+    spec_name = getattr(getattr(main, "__spec__", None), "name", "") or ""
+    if spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return  # `python -m package`: multiprocessing does not import a package's __main__ again
     if multiprocessing.parent_process() is not None and main.__name__ == "__mp_main__":
         raise ClusterError(MAIN_GUARD_MESSAGE.format(script=main.__file__))  # the re-import itself
     for frame_info in stack if stack is not None else inspect.stack(context=1)[1:]:

@@ -70,6 +70,6 @@ class LossWatch:
     def hint(self) -> str:
         """What usually helps, for this strategy."""
         if self.strategy in ("async", "ssp") and self.momentum > 0.7:
-            return (f"Under {self.strategy}, stale updates act like extra momentum: try momentum 0.5-0.6 "
-                    "and a lower learning rate (run.set_lr), or this strategy's defaults")
+            return (f"Under {self.strategy}, stale updates act like extra momentum: try momentum 0.4-0.6 "
+                    "and a lower learning rate (run.set_lr), or this strategy's defaults (lr 0.25, momentum 0.4)")
         return "Try a lower learning rate (run.set_lr), or check the data and the loss"

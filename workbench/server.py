@@ -299,7 +299,9 @@ class ServerClient:
             try:
                 # Clocks live on shard 0, the coordinator.
                 reply = self._answer(self.actors[0].wait_for_clock(worker, clock, max_staleness, slice_s), slice_s + 5)
-                return {**reply, "waited_s": time.perf_counter() - started, "interrupted": False}
+                # waited_s: this worker's whole wait; blocked_s: how long the bound actually held it.
+                return {**reply, "waited_s": time.perf_counter() - started, "blocked_s": reply["waited_s"],
+                        "interrupted": False}
             except TimeoutError:
                 if self._abandoned():  # the slowest worker may be the lost one
                     raise TrainingError("the run's group of workers was ended while waiting for the slowest "

@@ -7,6 +7,7 @@ reads control state from an in-memory poller, and sends metrics in batches while
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import socket
@@ -117,6 +118,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
             # The context's callbacks point back at the loop: without this cycle broken, the strategy (and
             # a parameter server's actors) would stay alive until the worker's next garbage collection.
             loop.context = loop.strategy = None
+            gc.collect()  # and the objects in such cycles (torch's native process-group handles) go now
 
 
 # Words of the errors a worker sees when a peer (or the worker holding a server shard) dies under it.
