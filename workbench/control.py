@@ -85,6 +85,7 @@ class ControlPoller:
         self._latest = ControlState()
         self._changed = threading.Condition()
         self._stopping = threading.Event()
+        self._after_poll: Callable[[], Any] = lambda: None
         self._thread = threading.Thread(target=self._poll, name="workbench-control", daemon=True)
         self._thread.start()
 
@@ -100,6 +101,10 @@ class ControlPoller:
         with self._changed:
             self._changed.wait_for(lambda: self._latest.version > version, timeout=timeout_s)
             return self._latest
+
+    def after_each_poll(self, callback: Callable[[], Any]) -> None:
+        """Call `callback` on the poller's thread after every poll (to act while the training thread is blocked)."""
+        self._after_poll = callback
 
     def close(self) -> None:
         self._stopping.set()
@@ -121,4 +126,8 @@ class ControlPoller:
                     with self._changed:
                         self._latest = state
                         self._changed.notify_all()
+            try:
+                self._after_poll()
+            except Exception:  # never let a callback end the polling
+                pass
             self._stopping.wait(self._interval_s)

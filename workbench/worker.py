@@ -88,6 +88,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S,
                            released=lambda: _task_released(worker, key))
     loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender)
+    poller.after_each_poll(loop.break_group_if_ended)
     try:
         sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname(),
                      generation=task.generation, start_step=task.start_step)
@@ -95,14 +96,20 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation)
         return result
     except BaseException as error:
-        if not (isinstance(error, _Superseded) or loop.superseded()
-                or (peer_lost(error) and loop.await_verdict(min(VERDICT_WAIT_S, task.collective_timeout_s)))):
+        superseded = isinstance(error, _Superseded) or loop.superseded()
+        if not superseded and peer_lost(error):
+            # Leave the process group before waiting for the client's verdict: peers blocked on this
+            # worker's connections then fail at once instead of waiting out their collective timeout.
+            _leave(loop, abandoned=True)
+            superseded = loop.await_verdict(min(VERDICT_WAIT_S, task.collective_timeout_s))
+        if not superseded:
             sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
                          traceback=traceback.format_exc(), generation=task.generation)
             raise
         # The client ended this group (another worker failed or was lost): whatever this worker was
         # waiting on broke because of that, so it leaves rather than report a failure of its own.
-        loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
+        if loop.strategy is not None:
+            loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
         sender.event("worker-left", step=loop.step, generation=task.generation,
                      error=None if isinstance(error, _Superseded) else f"{type(error).__name__}: {error}")
         return {"rank": task.rank, "steps": loop.step, "stopped": True, "superseded": True, "state_dict": None,
@@ -111,14 +118,25 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         try:
             sender.flush()
             poller.close()
-            loop.strategy.close()  # the strategy in use at the end, after any switches
         finally:
-            if loop.joined_group:  # never another run's group, when joining failed because one trains here
-                collectives.destroy_process_group()
-            # The context's callbacks point back at the loop: without this cycle broken, the strategy (and
-            # a parameter server's actors) would stay alive until the worker's next garbage collection.
-            loop.context = loop.strategy = None
-            gc.collect()  # and the objects in such cycles (torch's native process-group handles) go now
+            _leave(loop)
+
+
+def _leave(loop: _Loop, abandoned: bool = False) -> None:
+    """Close the strategy in use (after any switches) and leave the process group; once."""
+    if loop.strategy is None:
+        return
+    try:
+        if abandoned:
+            loop.strategy.abandoned = True
+        loop.strategy.close()
+    finally:
+        if loop.joined_group:  # never another run's group, when joining failed because one trains here
+            collectives.destroy_process_group()
+        # The context's callbacks point back at the loop: without this cycle broken, the strategy (and a
+        # parameter server's actors) would stay alive until the worker's next garbage collection.
+        loop.context = loop.strategy = None
+        gc.collect()  # and the objects in such cycles (torch's process-group handles, their sockets) go now
 
 
 # Words of the errors a worker sees when a peer (or the worker holding a server shard) dies under it.
@@ -136,6 +154,12 @@ def peer_lost(error: BaseException) -> bool:
     return any(words in text for words in PEER_LOSS_WORDS)
 
 
+def _dask_ports(task: WorkerTask) -> list[int]:
+    """The ports of the Dask servers this worker talks to (the run's workers and the scheduler)."""
+    addresses = [*task.addresses, get_worker().scheduler.address]
+    return [int(address.rsplit(":", 1)[1]) for address in addresses if address.rsplit(":", 1)[-1].isdigit()]
+
+
 def _task_released(worker: Any, key: Any) -> bool:
     state = worker.state.tasks.get(key)
     return state is None or state.state in ("cancelled", "released", "forgotten")
@@ -147,6 +171,7 @@ class _Loop:
         self.step = 0
         self.epoch = 0
         self.joined_group = False
+        self.group_broken = False
         self._recent_step_s = 0.0  # moving average of step time, for the control interval
         self._gpu = GpuGauge()
         self.control = ControlState(lr=task.job.lr, strategy=task.strategy,
@@ -163,6 +188,12 @@ class _Loop:
     def superseded(self) -> bool:
         """Whether the client has ended this group of workers, or no longer wants this task."""
         return self.poller.latest().generation > self.task.generation or self.poller.released()
+
+    def break_group_if_ended(self) -> None:
+        """On the poller's thread: once the client has ended this group, break its connections, so that a
+        training thread blocked in a collective on a departed peer fails now, not after its timeout."""
+        if self.joined_group and not self.group_broken and self.superseded():
+            self.group_broken = collectives.break_process_group()
 
     def await_verdict(self, timeout_s: float) -> bool:
         """After a peer vanished: whether the client ends this group within `timeout_s` (it does once it
@@ -184,7 +215,7 @@ class _Loop:
         # Every run forms the process group, whatever its strategy: workers agree on switches and on the
         # end of the run through it, and a switch to a synchronous strategy needs it.
         collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
-                                       device, task.collective_timeout_s)
+                                       device, task.collective_timeout_s, dask_ports=_dask_ports(task))
         self.joined_group = True
         if task.local_data:
             data = concatenate_blocks(*train_data)

@@ -97,7 +97,7 @@ class AllReduce(Strategy):
             if bucket.work is None:  # some parameter got no gradient this step: its zeros still count
                 self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
+            collectives.wait(bucket.work)
             bucket.buffer.div_(self.world_size)
             bucket.ready, bucket.work = 0, None
         return {"comm_s": time.perf_counter() - started}
