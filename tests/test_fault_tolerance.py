@@ -57,6 +57,11 @@ def _pids(client):
     return client.run(os.getpid)
 
 
+def _digits_job(loss):
+    return workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=6, lr=0.1, momentum=0.9,
+                         loss=loss)
+
+
 def _timeline(run, since):
     return [(e["kind"], round(e["time"] - since, 2), e.get("worker"), e.get("reason"), (e.get("error") or "")[:80])
             for e in run.events() if e["kind"] in ("worker-lost", "worker-left", "worker-failed", "regrouped")]
@@ -135,9 +140,8 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
 @pytest.mark.timeout(240)
 def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup(cluster3, tmp_path):
     cluster3.wait_for_workers(3, timeout=60)
-    job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=6, lr=0.1,
-                        momentum=0.9, loss=_slow_loss)
-    run = workbench.train(job, "allreduce", client=cluster3, run_dir=tmp_path, collective_timeout_s=LONG_TIMEOUT_S,
+    run = workbench.train(_digits_job(_slow_loss), "allreduce", client=cluster3, run_dir=tmp_path,
+                          collective_timeout_s=LONG_TIMEOUT_S,
                           checkpoint_every_steps=20, checkpoint_every_s=None, min_workers=2)
     wait_until(lambda: run.checkpoint_info is not None and run.checkpoint_info["step"] >= 20, timeout_s=120)
     victim = run.worker_addresses[1]
@@ -154,9 +158,8 @@ def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup
 @pytest.mark.timeout(240)
 def test_a_stuck_worker_is_treated_as_lost_after_the_timeout(cluster3, tmp_path):
     cluster3.wait_for_workers(3, timeout=60)
-    job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=6, lr=0.1,
-                        momentum=0.9, loss=_loss_stalling_on_rank_2)
-    run = workbench.train(job, "allreduce", client=cluster3, run_dir=tmp_path, collective_timeout_s=TIMEOUT_S,
+    run = workbench.train(_digits_job(_loss_stalling_on_rank_2), "allreduce", client=cluster3, run_dir=tmp_path,
+                          collective_timeout_s=TIMEOUT_S,
                           checkpoint_every_steps=20, checkpoint_every_s=None)
     stuck = run.worker_addresses[2]
     assert run.wait(timeout=200) == "finished"

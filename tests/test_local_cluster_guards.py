@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import psutil
@@ -104,8 +105,12 @@ def test_a_guarded_call_and_a_one_line_guard_are_let_through(tmp_path):
     lines = ["import workbench", "if __name__ == '__main__': workbench.connect()", "if __name__ == '__main__':",
              "    workbench.connect()", "workbench.connect()"]
     source.write_text("\n".join(lines) + "\n")
-    check_main_guard([Frame(source, 2)])
-    check_main_guard([Frame(source, 4)])
+    script = types.SimpleNamespace(__file__=str(source), __name__="__main__", __spec__=None)
+    check_main_guard([Frame(source, 2)], script)
+    check_main_guard([Frame(source, 4)], script)
     with pytest.raises(ClusterError, match="line 5"):
-        check_main_guard([Frame(source, 5)])
+        check_main_guard([Frame(source, 5)], script)
+    # `python -m package` runs the package's __main__, which multiprocessing does not import again.
+    check_main_guard([Frame(source, 5)], types.SimpleNamespace(
+        __file__=str(source), __name__="__main__", __spec__=types.SimpleNamespace(name="tool.__main__")))
 

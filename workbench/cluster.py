@@ -116,7 +116,7 @@ def check_local_capacity(workers: int, threads_per_worker: int, cores: int, memo
                           "here anyway pass oversubscribe=True (--oversubscribe)")
 
 
-def check_main_guard(stack: list[Any] | None = None) -> None:
+def check_main_guard(stack: list[Any] | None = None, main: Any = None) -> None:
     """Refuse to start local worker processes from the top level of a script without a main guard.
 
     Dask starts its workers with the 'spawn' method, which imports the script again in every new process:
@@ -124,7 +124,7 @@ def check_main_guard(stack: list[Any] | None = None) -> None:
     'Nanny failed to start' under screens of tracebacks. Judged from the line of the script's top-level
     code that led here: unindented and not itself an `if __name__ == ...` line means unguarded.
     """
-    main = sys.modules.get("__main__")
+    main = main if main is not None else sys.modules.get("__main__")
     if main is None or not getattr(main, "__file__", None):
         return  # an interactive session or a notebook: nothing is imported again
     spec_name = getattr(getattr(main, "__spec__", None), "name", "") or ""
