@@ -192,7 +192,10 @@ class _Loop:
     def break_group_if_ended(self) -> None:
         """On the poller's thread: once the client has ended this group, break its connections, so that a
         training thread blocked in a collective on a departed peer fails now, not after its timeout."""
-        if self.joined_group and not self.group_broken and self.superseded():
+        # Only when the client ended the group (a regroup waits on it), not when the client is gone: then
+        # every rank leaves by itself, and breaking sockets under a rank between two collectives can kill
+        # its process (seen once when a client was killed, the run's worker died with it).
+        if self.joined_group and not self.group_broken and self.poller.latest().generation > self.task.generation:
             self.group_broken = collectives.break_process_group()
 
     def await_verdict(self, timeout_s: float) -> bool:
