@@ -471,21 +471,22 @@ class Run:
                 self._joined.append(address)
                 self._publish({"kind": "worker-joined", "time": when, "address": address, "added": self.auto_join})
 
-    def _publish_warnings(self) -> None:
+    def _queued_warnings(self) -> list[dict[str, Any]]:
+        taken = []
         while True:
             try:
-                self._publish(self._warnings.get_nowait())
+                taken.append(self._warnings.get_nowait())
             except queue.Empty:
-                return
+                return taken
+
+    def _publish_warnings(self) -> None:
+        for warning in self._queued_warnings():
+            self._publish(warning)
 
     def _publish_leftover_warnings(self) -> None:
         """Warnings from the last records, once this client no longer hears its own topic: kept here
         directly, and sent for the other viewers."""
-        while True:
-            try:
-                warning = self._warnings.get_nowait()
-            except queue.Empty:
-                return
+        for warning in self._queued_warnings():
             self._on_message((time.time(), warning))
             try:
                 self.client.log_event(topic(self.run_id), warning)
