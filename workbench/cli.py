@@ -211,7 +211,9 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
     summary = run.summary()
     print(f"run {run.run_id}: {status}, {summary.get('steps_done', 0)} steps on {summary['workers']} workers")
     print(f"strategy: {run.strategy} {run.config['settings']}")
-    print(f"throughput: {summary.get('samples_per_s', 0):,.0f} samples/s in total")
+    print(f"throughput: {summary.get('samples_per_s', 0):,.0f} samples/s in total"
+          + (f", slowest worker {summary['slowest_worker']} at {summary['slowest_worker_samples_per_s']:,.0f}"
+             if summary.get("workers", 0) > 1 and "slowest_worker" in summary else ""))
     split = summary.get("time_split", {})
     if split:
         print("step time: " + ", ".join(f"{k} {v:.0%}" for k, v in split.items()))
@@ -219,7 +221,8 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
         staleness = summary["staleness"]
         print(f"staleness: mean {staleness['mean']:.2f}, max {staleness['max']} server versions")
     if "bytes_sent_per_step" in summary:
-        print(f"sent per step: {summary['bytes_sent_per_step'] / 1024:,.1f} KiB; communication hidden "
+        print(f"per step: sent {summary['bytes_sent_per_step'] / 1024:,.1f} KiB, received "
+              f"{summary.get('bytes_received_per_step', 0) / 1024:,.1f} KiB; communication hidden "
               f"behind compute: {summary.get('comm_hidden_fraction', 0):.0%}")
     for text in summary.get("warnings", []):
         print(f"warning: {text}")

@@ -32,23 +32,139 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_process_group(host: str, port: int, rank: int, world_size: int, device: torch.device,
-                       timeout_s: float, dask_ports: Sequence[int] = ()) -> None:
-    """Join the run's process group; fails after `timeout_s` instead of torch's 30-minute default."""
+                       timeout_s: float, dask_ports: Sequence[int] = (), own_host: str | None = None) -> None:
+    """Join the run's process group; fails after `timeout_s` instead of torch's 30-minute default.
+
+    `own_host` is the address this worker's Dask connection uses: gloo (and NCCL's bootstrap) are bound to
+    the interface holding it, not to whatever the machine's hostname resolves to (loopback on a stock
+    Debian, or docker0, a VPN...). Before the group forms, every rank checks that it can reach every other
+    rank's advertised address, so a group that cannot form fails at once on every rank with the address
+    that could not be reached, instead of one rank waiting out the whole timeout.
+    """
     if dist.is_initialized():
         raise TrainingError(
             "this worker process already belongs to a torch.distributed process group: another run is "
             "training on it. Wait for that run to end or start this one on other workers."
         )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    chosen = bind_to_interface_of(own_host)
     before = _tcp_sockets()
-    dist.init_process_group(
-        backend=backend_for(device),
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    try:
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        except Exception as error:
+            raise GroupFormationError(
+                f"rank {rank} could not reach the process group's store at {host}:{port} (rank 0's Dask host) "
+                f"within {timeout_s:g} s: {type(error).__name__}: {error}. A firewall between the workers' "
+                f"hosts must let TCP through on any port; the workers' Dask connections alone are not enough"
+            ) from error
+        check_reachable(store, rank, world_size, advertised_address(), min(timeout_s, PROBE_TIMEOUT_S), chosen)
+        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    except BaseException:
+        # torch numbers its groups before building them: a group that failed to form left the counter
+        # moved on here and not on the other ranks, and every later run on this worker then waited for
+        # keys no other rank writes (`DistStoreError`). Put it back, as a successful destroy would.
+        if not dist.is_initialized():
+            dist.distributed_c10d._world.group_count = 0
+        raise
+    finally:
+        _restore_interface(chosen)
     # What the group opened: new sockets, less any Dask opened meanwhile to its servers (`dask_ports`).
     _group_sockets[:] = sorted(set(_tcp_sockets(exclude_ports=set(dask_ports))) - set(before))
+
+
+class GroupFormationError(TrainingError):
+    """The run's process group could not form (a rank cannot reach another): a configuration error of
+    the cluster, not the loss of a worker, so the run fails instead of going on without the worker."""
+
+
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+PROBE_TIMEOUT_S = 5.0  # a TCP connect between two hosts that can reach each other takes milliseconds
+
+
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 `address` (None when none does)."""
+    try:
+        address = socket.gethostbyname(address)
+    except OSError:
+        return None
+    for name, entries in psutil.net_if_addrs().items():
+        if any(entry.family == socket.AF_INET and entry.address == address for entry in entries):
+            return name
+    return None
+
+
+def bind_to_interface_of(own_host: str | None) -> dict[str, str | None]:
+    """Point gloo and NCCL at the interface holding `own_host`, unless the user named one; returns what
+    to put back afterwards (the variables are read when the group is built, and the worker outlives the run)."""
+    interface = interface_holding(own_host) if own_host else None
+    changed: dict[str, str | None] = {}
+    for variable in SOCKET_IFNAME_VARIABLES:
+        if interface is not None and variable not in os.environ:
+            changed[variable] = None
+            os.environ[variable] = interface
+    return changed
+
+
+def _restore_interface(changed: dict[str, str | None]) -> None:
+    for variable, value in changed.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+
+
+def advertised_address() -> str:
+    """The IPv4 address gloo will tell the other ranks to connect to: the one of the interface
+    `GLOO_SOCKET_IFNAME` names, else the one this machine's hostname resolves to (gloo's own rule)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        for entry in psutil.net_if_addrs().get(interface, []):
+            if entry.family == socket.AF_INET:
+                return entry.address
+        raise GroupFormationError(f"GLOO_SOCKET_IFNAME={interface!r} names no interface with an IPv4 address "
+                                  f"on this worker (interfaces: {', '.join(sorted(psutil.net_if_addrs()))})")
+    return socket.gethostbyname(socket.gethostname())
+
+
+def check_reachable(store: Any, rank: int, world_size: int, address: str, timeout_s: float,
+                    chosen: dict[str, str | None]) -> None:
+    """Every rank listens on its advertised address and connects to every other's, then all ranks read
+    every rank's findings from the store and raise the same error if any pair failed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((address, 0))
+        listener.listen(world_size)
+        store.set(f"workbench/probe/{rank}", f"{address}:{listener.getsockname()[1]}")
+        failures = []
+        for peer in range(world_size):
+            if peer == rank:
+                continue
+            target = store.get(f"workbench/probe/{peer}").decode()
+            peer_host, peer_port = target.rsplit(":", 1)
+            try:
+                with socket.create_connection((peer_host, int(peer_port)), timeout=timeout_s):
+                    pass
+            except OSError as error:
+                failures.append(f"rank {rank} (advertising {address}) cannot reach rank {peer} at {target}: "
+                                f"{error.strerror or error}")
+        store.set(f"workbench/reach/{rank}", json.dumps(failures))
+        everyone = [json.loads(store.get(f"workbench/reach/{peer}")) for peer in range(world_size)]
+    problems = [failure for failures in everyone for failure in failures]
+    if problems:
+        # Rank 0 hosts the store: it raises last, so no rank loses the store before it has read everything.
+        store.set(f"workbench/read/{rank}", "1")
+        if rank == 0:
+            store.wait([f"workbench/read/{peer}" for peer in range(world_size)])
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+        how = (f"gloo was bound to interface {interface}, the one holding this worker's Dask address"
+               if "GLOO_SOCKET_IFNAME" in chosen else f"GLOO_SOCKET_IFNAME={interface} is set on this worker"
+               if interface else "gloo advertises the address this machine's hostname resolves to")
+        raise GroupFormationError(
+            f"the process group cannot form: {'; '.join(problems[:4])}"
+            f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}. {how}. Set GLOO_SOCKET_IFNAME "
+            f"(NCCL_SOCKET_IFNAME on GPUs) on every worker to the interface the workers reach each other on, "
+            f"or leave it unset so the workbench binds to the interface of each worker's Dask address")
 
 
 def destroy_process_group() -> None:

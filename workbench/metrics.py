@@ -370,13 +370,21 @@ def staleness_summary(frame: pd.DataFrame) -> dict[int, dict[str, Any]]:
     return summary
 
 
-def communication_summary(frame: pd.DataFrame) -> dict[str, float]:
-    """Bytes sent per step, the share of communication time hidden behind computation, and the server's
-    versions per second (for strategies that report them)."""
+def communication_summary(frame: pd.DataFrame) -> dict[str, Any]:
+    """Bytes sent and received per step (in all and per worker: across a slow link the worker beside the
+    parameter server and the one across it differ), the share of communication time hidden behind
+    computation, and the server's versions per second (for strategies that report them)."""
     if frame.empty or "bytes_sent" not in frame:
         return {}
     steps = len(frame)
-    summary = {"bytes_sent_per_step": float(frame["bytes_sent"].fillna(0).sum()) / steps}
+    received = frame["bytes_received"].fillna(0) if "bytes_received" in frame else pd.Series(0.0, index=frame.index)
+    summary: dict[str, Any] = {"bytes_sent_per_step": float(frame["bytes_sent"].fillna(0).sum()) / steps,
+                               "bytes_received_per_step": float(received.sum()) / steps}
+    by_worker = frame.assign(_received=received).groupby("worker")
+    summary["bytes_per_worker"] = {
+        int(worker): {"sent_per_step": float(rows["bytes_sent"].fillna(0).mean()),
+                      "received_per_step": float(rows["_received"].mean())}
+        for worker, rows in by_worker}
     if "comm_total_s" in frame:
         total = float(frame["comm_total_s"].fillna(0).sum())
         exposed = float(frame["comm_s"].sum())

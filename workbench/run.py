@@ -663,13 +663,16 @@ class Run:
             pass
 
     def _fail(self, futures: list[Any], addresses: list[str]) -> None:
-        errors, diverged = [], None
+        errors, diverged, seen = [], None, set()
         for rank, future in enumerate(futures):
             if future.status != "error":
                 continue
             exception, tb = future.exception(), future.traceback()
             if isinstance(exception, DivergenceError) and diverged is None:
                 diverged = str(exception)
+            if f"{type(exception).__name__}: {exception}" in seen:
+                continue  # the same finding on every rank (a group that cannot form): said once
+            seen.add(f"{type(exception).__name__}: {exception}")
             errors.append(f"worker {rank} ({addresses[rank]}) failed: {type(exception).__name__}: {exception}\n"
                           + ("".join(traceback.format_tb(tb)) if tb else ""))
         # The first worker to fail says why; the others mostly failed because it left.
@@ -1072,6 +1075,13 @@ class Run:
             summary.update(steps_done=int(current.groupby("worker")["step"].max().min()) + 1,
                            samples_per_s=rate["samples_per_s"], final_loss=float(frame["loss"].tail(20).mean()),
                            time_split=time_split(frame))
+            per_worker = {w: r for w, r in rate["per_worker"].items() if w < max(1, len(self.worker_addresses))}
+            if per_worker:
+                # The total hides a worker starved by a slow link or host (asynchronous strategies let
+                # the others run on): the slowest worker says what the run gets out of each machine.
+                slowest = min(per_worker, key=per_worker.get)
+                summary.update(samples_per_s_per_worker={int(w): float(r) for w, r in sorted(per_worker.items())},
+                               slowest_worker=int(slowest), slowest_worker_samples_per_s=float(per_worker[slowest]))
             staleness = staleness_summary(frame)
             if staleness:
                 pushes = sum(s["pushes"] for s in staleness.values())

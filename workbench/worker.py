@@ -6,6 +6,7 @@ reads control state from an in-memory poller, and sends metrics in batches while
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import math
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from distributed import get_client, get_worker, secede
+from distributed.comm import get_address_host
 
 from . import collectives
 from .averaging import fingerprint, flatten
@@ -147,7 +149,10 @@ VERDICT_WAIT_S = 5.0  # how long a worker whose peer vanished waits to learn whe
 
 def peer_lost(error: BaseException) -> bool:
     """Whether `error` looks like a peer's or a server shard's loss rather than a failure of this worker.
-    A timeout is not: a stuck peer is found out by the client only through the survivors' reports."""
+    A timeout is not: a stuck peer is found out by the client only through the survivors' reports. Nor is a
+    group that could not form: every rank reports that one itself."""
+    if isinstance(error, collectives.GroupFormationError):
+        return False
     if isinstance(error, (ConnectionError, EOFError)):
         return True
     text = f"{type(error).__name__}: {error}".lower()
@@ -218,7 +223,8 @@ class _Loop:
         # Every run forms the process group, whatever its strategy: workers agree on switches and on the
         # end of the run through it, and a switch to a synchronous strategy needs it.
         collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
-                                       device, task.collective_timeout_s, dask_ports=_dask_ports(task))
+                                       device, task.collective_timeout_s, dask_ports=_dask_ports(task),
+                                       own_host=get_address_host(get_worker().address))
         self.joined_group = True
         if task.local_data:
             data = concatenate_blocks(*train_data)
@@ -548,6 +554,7 @@ def _configure_worker_for_training(worker: Any) -> None:
     already; this also covers existing clusters.
     """
     torch.set_num_threads(max(1, int(getattr(worker.state, "nthreads", 1))))
+    keep_freed_memory()
 
     def stop_profiler() -> None:
         for name in ("profile", "profile-cycle"):
@@ -556,6 +563,29 @@ def _configure_worker_for_training(worker: Any) -> None:
                 callback.stop()
 
     worker.loop.add_callback(stop_profiler)
+
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# The largest threshold glibc's own dynamic adjustment reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+MMAP_THRESHOLD_BYTES = 32 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Let this worker's allocator reuse freed tensor memory instead of handing it back to the OS at once.
+
+    A Dask nanny starts its worker with `MALLOC_TRIM_THRESHOLD_=65536`, which also switches off glibc's
+    dynamic mmap threshold: every tensor over 128 KiB was then mapped and unmapped each step. Measured on
+    the benchmark's MLP (784-1024-1024-10, batch 128): 4,657 page faults a step with the variable set, 1,333
+    without it, 1 after this call; about 25% of step time. The environment cannot be changed after
+    start-up (glibc reads it once), but `mallopt` can, so this works on any cluster, however started.
+    Returns whether it applied (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                    and libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False  # not glibc (musl, macOS): nothing of this applies
 
 
 class GpuGauge:

@@ -1,0 +1,338 @@
+"""An emulated rack on one Linux machine: N hosts as network namespaces on a bridge, each with its own
+address, an optional link rate and CPU share (both changeable while a run trains), a Dask scheduler and
+workers started inside them, and a client that talks to them from a namespace of its own.
+
+What training across machines needs to be tested and measured here, on one VM: separate interfaces and
+addresses (gloo picking the wrong one is the classic multi-host failure), slow links (`tbf` on both ends
+of each host's link, so each host has a full-duplex NIC of that rate) and slower hosts (a cgroup v1
+`cpu.cfs_quota_us`). Only addresses inside the lab's own namespaces are used; the machine's own
+namespace gets no address and no route. Everything is torn down on `close()`, at interpreter exit, and
+(for a lab whose process was killed) by the next lab's start. Needs root, `ip` and `tc`; `available()`
+says why not otherwise.
+
+    with Lab(hosts=3) as lab:            # host 0: scheduler and client; hosts 1, 2: one worker each
+        lab.start_cluster()
+        client = lab.connect()           # a workbench client inside host 0
+        lab.set_rate("100mbit")          # every host's link; lab.set_rate(None) lifts it
+        lab.set_cpu(2, 0.5)              # host 2 gets half a core
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+NAME_PREFIX = "wbl"  # every lab's namespaces and cgroups start with this, then the owning process id
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CPU_PERIOD_US = 100_000
+CLONE_NEWNET = 0x40000000
+SCHEDULER_PORT = 8786
+RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
+START_TIMEOUT_S = 60.0
+
+
+class LabError(RuntimeError):
+    """The lab could not be built (or torn down) on this machine."""
+
+
+def available() -> str | None:
+    """None when labs can be built here, else the reason they cannot (for a test's skip)."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "building network namespaces needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is missing"
+    probe = f"{NAME_PREFIX}probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """'100mbit' -> 12.5e6 (tc's units: k, m, g bits per second)."""
+    if not RATE.match(rate):
+        raise ValueError(f"rate={rate!r} is not allowed: expected a number and kbit, mbit or gbit, e.g. '100mbit'")
+    number, unit = float(re.match(r"[\d.]+", rate).group()), rate.lstrip("0123456789.")
+    return number * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8
+
+
+class Lab:
+    """N emulated hosts; host i has address `subnet.(10 + i)` on interface eth0 of namespace `hosts[i]`."""
+
+    def __init__(self, hosts: int = 3, subnet: str = "10.77.0") -> None:
+        if not isinstance(hosts, int) or not 2 <= hosts <= 200:
+            raise ValueError(f"hosts={hosts!r} is not allowed: expected an integer from 2 to 200")
+        self.size, self.subnet = hosts, subnet
+        self.prefix = f"{NAME_PREFIX}{os.getpid()}"
+        self.switch = f"{self.prefix}sw"
+        self.hosts = [f"{self.prefix}h{i}" for i in range(hosts)]
+        self.addresses = [f"{subnet}.{10 + i}" for i in range(hosts)]
+        self.processes: list[tuple[int, subprocess.Popen]] = []  # (host, process)
+        self.logs = Path(tempfile.mkdtemp(prefix="workbench-lab-"))
+        self.scheduler_address: str | None = None
+        self._clients: list[Any] = []
+        self._built = False
+
+    # --- building and tearing down ------------------------------------------------------------------------
+
+    def start(self) -> Lab:
+        reason = available()
+        if reason:
+            raise LabError(f"cannot build the lab: {reason}")
+        remove_leftovers()
+        atexit.register(self.close)
+        self._built = True
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for index, (host, address) in enumerate(zip(self.hosts, self.addresses)):
+                _ip("netns", "add", host)
+                near, far = f"{self.prefix}a{index}", f"{self.prefix}b{index}"
+                _ip("link", "add", near, "type", "veth", "peer", "name", far)
+                _ip("link", "set", near, "netns", host)
+                _ip("link", "set", far, "netns", self.switch)
+                _ip("-n", host, "link", "set", near, "name", "eth0")
+                _ip("-n", host, "addr", "add", f"{address}/24", "dev", "eth0")
+                _ip("-n", host, "link", "set", "eth0", "up")
+                _ip("-n", host, "link", "set", "lo", "up")
+                _ip("-n", self.switch, "link", "set", far, "master", "br0", "up")
+                cgroup = self.cgroup(index)
+                cgroup.mkdir(exist_ok=True)
+                (cgroup / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop every process of the lab and delete its namespaces, links and cgroups (idempotent)."""
+        if not self._built:
+            return
+        self._built = False
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                client.close(timeout=5)
+        self._clients.clear()
+        for _, process in self.processes:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait(timeout=10)
+        self.processes.clear()
+        _remove_namespaces([*self.hosts, self.switch], [self.cgroup(i) for i in range(self.size)])
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> Lab:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- conditions -----------------------------------------------------------------------------------------
+
+    def set_rate(self, rate: str | None, host: int | None = None) -> None:
+        """Limit host `host`'s link (every host's when None) to `rate` ('100mbit', '1gbit'), both ways;
+        None lifts the limit. Takes effect at once, also while a run trains."""
+        if rate is not None:
+            bytes_per_s = rate_bytes_per_s(rate)
+            # A burst of 10 ms of traffic (at least 32 KiB, above one jumbo segment of veth's offloads);
+            # queued packets beyond 50 ms are dropped, as a real switch's buffer would.
+            burst = max(32 * 1024, int(bytes_per_s / 100))
+        for index in self._indices(host):
+            for namespace, device in ((self.hosts[index], "eth0"), (self.switch, f"{self.prefix}b{index}")):
+                if rate is None:
+                    subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
+                                   capture_output=True)  # none set is fine
+                else:
+                    _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
+                          "rate", rate, "burst", str(burst), "latency", "50ms"])
+
+    def set_cpu(self, host: int, share: float | None) -> None:
+        """Give every process of host `host` at most `share` of one core (None: no limit), at once."""
+        if share is not None and not 0.01 <= share <= 64:
+            raise ValueError(f"share={share!r} is not allowed: expected cores from 0.01 to 64, or None")
+        quota = -1 if share is None else int(share * CPU_PERIOD_US)
+        (self.cgroup(host) / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def cgroup(self, host: int) -> Path:
+        return CGROUP_CPU / self.hosts[host]
+
+    def _indices(self, host: int | None) -> list[int]:
+        if host is None:
+            return list(range(self.size))
+        if not isinstance(host, int) or not 0 <= host < self.size:
+            raise ValueError(f"host={host!r} is not allowed: expected 0 to {self.size - 1}")
+        return [host]
+
+    # --- processes ------------------------------------------------------------------------------------------
+
+    def spawn(self, host: int, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `argv` inside host `host` (its namespace and CPU cgroup), logging to `logs/<name>.log`."""
+        self._indices(host)
+        log = open(self.logs / f"{name}.log", "ab")
+        # The shell joins the host's cgroup before exec'ing, so every process it starts (a nanny's worker
+        # too) is inside it from its first instruction.
+        command = ["sh", "-c", f'echo $$ > {self.cgroup(host) / "cgroup.procs"} && exec "$@"', "lab",
+                   "ip", "netns", "exec", self.hosts[host], *argv]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, **(env or {})})
+        log.close()
+        self.processes.append((host, process))
+        return process
+
+    def start_cluster(self, workers_per_host: int = 1, nthreads: int = 1, scheduler_host: int = 0,
+                      worker_hosts: list[int] | None = None, env: dict[str, str] | None = None) -> str:
+        """A `dask scheduler` on `scheduler_host` and `dask worker`s (started as a user would, no settings
+        of the workbench's own) on `worker_hosts` (default: every other host). Returns the scheduler's address."""
+        scheduler_ip = self.addresses[scheduler_host]
+        self.scheduler_address = f"tcp://{scheduler_ip}:{SCHEDULER_PORT}"
+        self.spawn(scheduler_host, [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", scheduler_ip,
+                                    "--port", str(SCHEDULER_PORT), "--no-dashboard"], "scheduler", env)
+        hosts = worker_hosts if worker_hosts is not None else [i for i in range(self.size) if i != scheduler_host]
+        for host in hosts:
+            self.start_worker(host, workers_per_host, nthreads, env)
+        return self.scheduler_address
+
+    def start_worker(self, host: int, workers: int = 1, nthreads: int = 1,
+                     env: dict[str, str] | None = None) -> subprocess.Popen:
+        if self.scheduler_address is None:
+            raise LabError("start the scheduler first (start_cluster)")
+        return self.spawn(host, [sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler_address,
+                                 "--host", self.addresses[host], "--nworkers", str(workers), "--nthreads",
+                                 str(nthreads), "--no-dashboard", "--memory-limit", "0"],
+                          f"worker-{host}-{len(self.processes)}", env)
+
+    def connect(self, host: int = 0, workers: int | None = None, timeout_s: float = START_TIMEOUT_S, **options: Any):
+        """A workbench client inside host `host`, connected to the lab's scheduler; waits for `workers`."""
+        import workbench
+
+        if self.scheduler_address is None:
+            raise LabError("start the cluster first (start_cluster)")
+        deadline = time.monotonic() + timeout_s
+        with self.inside(host):
+            # The client's IO thread is started here, so it (and every connection it makes) lives in
+            # the host's namespace; the calling thread goes back to its own afterwards.
+            while True:
+                try:
+                    client = workbench.connect(scheduler=self.scheduler_address, **options)
+                    break
+                except Exception:
+                    if time.monotonic() >= deadline:
+                        raise LabError(f"the lab's scheduler did not answer within {timeout_s:g} s; its log: "
+                                       f"{self.tail('scheduler')}") from None
+                    time.sleep(0.5)  # the scheduler process is still starting
+        self._clients.append(client)
+        if workers:
+            try:
+                client.wait_for_workers(workers, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as error:
+                raise LabError(f"{workers} workers did not join within {timeout_s:g} s ({error}); logs in "
+                               f"{self.logs}") from None
+        return client
+
+    @contextlib.contextmanager
+    def inside(self, host: int) -> Iterator[None]:
+        """Run the calling thread (and threads it starts meanwhile) in host `host`'s network namespace.
+        A network namespace belongs to a thread, not to the process: other threads are not moved."""
+        self._indices(host)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{self.hosts[host]}", os.O_RDONLY)
+        try:
+            if libc.setns(target, CLONE_NEWNET) != 0:
+                raise LabError(f"setns into {self.hosts[host]} failed: {os.strerror(ctypes.get_errno())}")
+            try:
+                yield
+            finally:
+                libc.setns(own, CLONE_NEWNET)
+        finally:
+            os.close(own)
+            os.close(target)
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces and cgroups of labs whose process is gone (killed before it could clean up)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale: dict[int, list[str]] = {}
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = re.match(rf"^{NAME_PREFIX}(\d+)(sw|h\d+)$", name)
+        if match and not _alive(int(match.group(1))):
+            stale.setdefault(int(match.group(1)), []).append(name)
+    removed = []
+    for pid, names in stale.items():
+        cgroups = [CGROUP_CPU / name for name in names if not name.endswith("sw")]
+        _remove_namespaces(names, cgroups)
+        removed += names
+    return removed
+
+
+def _remove_namespaces(namespaces: list[str], cgroups: list[Path]) -> None:
+    for namespace in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    for namespace in namespaces:
+        # Deleting a namespace removes its interfaces, and a veth's peer with it.
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
+    for cgroup in cgroups:
+        for _ in range(50):  # a killed process leaves its cgroup a moment after it is reaped
+            try:
+                cgroup.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _signal_group(process: subprocess.Popen, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, number)
+
+
+def _ip(*arguments: str) -> None:
+    _run(["ip", *arguments])
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LabError(f"{' '.join(command)} failed: {done.stderr.strip()}")
+
