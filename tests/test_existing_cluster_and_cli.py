@@ -1,4 +1,5 @@
 """An existing cluster started with the `dask scheduler` / `dask worker` commands, and the CLI end to end."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):
     lines = {line.split(":")[0]: line for line in result.stdout.splitlines()}
     mean, maximum = lines["staleness"].replace(",", "").split()[2:5:2]
     assert 0 < float(mean) <= int(maximum)
-    assert "sent per step" in lines and "throughput" in lines
+    assert "throughput" in lines and "slowest worker" in lines["throughput"]
+    sent, received = re.search(r"sent ([\d,.]+) KiB, received ([\d,.]+) KiB", lines["per step"]).groups()
+    assert 0 < float(sent.replace(",", "")) and 0 < float(received.replace(",", ""))
 
 
 @pytest.mark.parametrize("arguments,fragment", [
