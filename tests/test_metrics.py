@@ -83,13 +83,18 @@ def test_staleness_summary_per_worker_with_histogram():
 
 def test_communication_summary_bytes_hidden_share_and_version_rate():
     frame = pd.DataFrame([
-        {"worker": 0, "time": 10.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": None, "server_version": None},
-        {"worker": 0, "time": 11.0, "bytes_sent": None, "comm_s": 0.1, "comm_total_s": 0.4, "server_version": 4},
-        {"worker": 1, "time": 12.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": 0.6, "server_version": 10},
-        {"worker": 1, "time": 13.0, "bytes_sent": None, "comm_s": 0.0, "comm_total_s": None, "server_version": None},
+        {"worker": 0, "time": 10.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": None, "server_version": None,
+         "bytes_received": None},
+        {"worker": 0, "time": 11.0, "bytes_sent": None, "comm_s": 0.1, "comm_total_s": 0.4, "server_version": 4,
+         "bytes_received": 100},
+        {"worker": 1, "time": 12.0, "bytes_sent": 400, "comm_s": 0.0, "comm_total_s": 0.6, "server_version": 10,
+         "bytes_received": 60},
+        {"worker": 1, "time": 13.0, "bytes_sent": None, "comm_s": 0.0, "comm_total_s": None, "server_version": None,
+         "bytes_received": None},
     ])
     summary = communication_summary(frame)
     assert summary["bytes_sent_per_step"] == 200.0
+    assert summary["bytes_received_per_step"] == 40.0  # 160 bytes over 4 steps, as sent is counted
     assert summary["comm_hidden_fraction"] == pytest.approx(0.9)  # 0.1 s of 1.0 s exposed
     assert summary["server_versions_per_s"] == pytest.approx(6.0)  # 6 versions in 1 s
     assert communication_summary(pd.DataFrame([{"worker": 0, "time": 1.0, "comm_s": 0.0}])) == {}

@@ -1,9 +1,11 @@
-"""Compression of what workers send (pure tensor logic, no I/O): fp16, top-k and Strom's threshold
-quantization, the latter two with error feedback so nothing that was not sent is lost.
+"""Compression of what travels to and from the parameter server (pure tensor logic, no I/O): fp16, top-k
+and Strom's threshold quantization, the latter two with error feedback so nothing that was not sent is
+lost.
 
-A `Packet` is what travels; `decode` rebuilds the dense vector on the receiving side. `ErrorFeedback`
-keeps the residual (accumulated minus sent) and adds it to the next update, as in Strom (2015) and
-Seide et al. (2014): over time every coordinate's full update is delivered.
+A `Packet` is what travels; `decode` rebuilds the dense vector on the receiving side, `add_decoded` adds
+it into a vector in place. `ErrorFeedback` keeps the residual (accumulated minus sent) and adds it to the
+next update, as in Strom (2015) and Seide et al. (2014): over time every coordinate's full update is
+delivered. The server's replies get their error feedback from a mirror instead (see `replies.py`).
 """
 from __future__ import annotations
 
@@ -53,6 +55,20 @@ def decode(packet: Packet) -> torch.Tensor:
     else:  # threshold
         dense[packet.indices.long()] = packet.values.float() * packet.scale
     return dense
+
+
+def add_decoded(target: torch.Tensor, packet: Packet, alpha: float = 1.0) -> None:
+    """target += alpha * decode(packet), in place, touching only the coordinates a sparse packet holds.
+
+    Deterministic: two copies of one vector that add the same packets in the same order stay equal bit
+    for bit (what the server's mirrors and the workers' copies rely on, see `replies.py`).
+    """
+    if packet.kind in ("none", "fp16"):
+        target.add_(packet.values.float(), alpha=alpha)
+        return
+    values = packet.values if packet.kind == "topk" else packet.values.float() * packet.scale
+    # top-k and threshold indices are distinct, so index_add_ adds each value once.
+    target.index_add_(0, packet.indices.long(), values, alpha=alpha)
 
 
 def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_tau: float = 1e-3,

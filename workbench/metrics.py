@@ -371,12 +371,14 @@ def staleness_summary(frame: pd.DataFrame) -> dict[int, dict[str, Any]]:
 
 
 def communication_summary(frame: pd.DataFrame) -> dict[str, float]:
-    """Bytes sent per step, the share of communication time hidden behind computation, and the server's
-    versions per second (for strategies that report them)."""
+    """Bytes sent and received per step, the share of communication time hidden behind computation, and
+    the server's versions per second (for strategies that report them)."""
     if frame.empty or "bytes_sent" not in frame:
         return {}
     steps = len(frame)
     summary = {"bytes_sent_per_step": float(frame["bytes_sent"].fillna(0).sum()) / steps}
+    if "bytes_received" in frame:
+        summary["bytes_received_per_step"] = float(frame["bytes_received"].fillna(0).sum()) / steps
     if "comm_total_s" in frame:
         total = float(frame["comm_total_s"].fillna(0).sum())
         exposed = float(frame["comm_s"].sum())
