@@ -86,7 +86,7 @@ def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_
         return Packet("fp16", numel, vector.clamp(-limit, limit).half())
     if kind == "topk":
         k = max(1, math.ceil(topk_ratio * numel))
-        indices = torch.topk(vector.abs(), k, sorted=False).indices
+        indices = largest_magnitudes(vector, k)
         return Packet("topk", numel, vector[indices].clone(), indices.int())
     if kind == "threshold":
         tau = power_of_two(threshold_tau)
@@ -94,6 +94,29 @@ def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_
         signs = torch.sign(vector[indices]).to(torch.int8)
         return Packet("threshold", numel, signs, indices.int(), tau)
     raise ConfigError("compression", kind, f"one of {list(COMPRESSIONS)}")
+
+
+TOPK_SAMPLE = 20_000  # values sampled to find a cut below the k-th largest magnitude
+
+
+def largest_magnitudes(vector: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest |values| (any order): the same as `torch.topk(vector.abs(), k)`.
+
+    `torch.topk` over 1.86M values took about 30 ms on one core, twice a training step of the benchmark
+    MLP, paid for every push and every compressed reply. A strided sample gives a cut that about 2k
+    values pass; the exact top-k of those is the top-k of all whenever at least k pass (else the plain
+    top-k is taken): about 5 ms for the same result.
+    """
+    magnitudes = vector.abs()
+    n = magnitudes.numel()
+    if n < 10 * TOPK_SAMPLE or 4 * k > n:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    sample = magnitudes[:: n // TOPK_SAMPLE]
+    cut = torch.kthvalue(sample, max(1, int(sample.numel() * (1.0 - 2.0 * k / n)))).values
+    candidates = torch.nonzero(magnitudes >= cut).reshape(-1) if cut > 0 else None
+    if candidates is None or candidates.numel() < k:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
 
 
 def power_of_two(tau: float) -> float:
