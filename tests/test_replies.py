@@ -169,3 +169,12 @@ def test_replies_travel_as_raw_tensor_frames_through_dask_serialisation():
     merged = merge_replies([back, Reply(7, staleness=3, weights=encode(torch.ones(4), "none"))])
     assert merged.version == 7 and merged.staleness == 3
     assert torch.equal(decode(merged.weights[0]), decode(delta)) and merged.nbytes == delta.nbytes + 16
+
+
+def test_replies_are_compressed_as_pushes_unless_reply_compression_says_otherwise():
+    from workbench.strategies import make_settings
+
+    assert make_settings("async", {"compression": "topk", "topk_ratio": 0.05}).replies() == ("topk", 0.05, 1e-3)
+    assert make_settings("ssp", {"compression": "topk", "reply_compression": "none"}).replies()[0] == "none"
+    assert make_settings("easgd", {"reply_compression": "fp16"}).replies()[0] == "fp16"
+    assert make_settings("async", {}).replies()[0] == "none"
