@@ -65,8 +65,9 @@ def reply_records(run):
     return frame[frame["bytes_received"].fillna(0) > 0]
 
 
+# `async` fetches with every second push here (the default, every push, runs in the switch and resume tests).
 @pytest.mark.parametrize("strategy,settings", [
-    ("async", {}), ("ssp", {"max_staleness": 2}), ("easgd", {"period": 4}),
+    ("async", {"fetch_every": 2}), ("ssp", {"max_staleness": 2}), ("easgd", {"period": 4}),
 ])
 def test_topk_both_ways_trains_digits_with_replies_fifty_times_smaller(client, run_dir, strategy, settings):
     run = workbench.train(digits_job(), strategy, client=client, run_dir=run_dir, compression="topk",
@@ -81,6 +82,8 @@ def test_topk_both_ways_trains_digits_with_replies_fifty_times_smaller(client, r
     assert set(replies["bytes_received"]) <= {topk_bytes(n), 2 * topk_bytes(n)}
     pushes = frame.dropna(subset=["bytes_sent"])
     assert len(pushes) > 50 and (pushes["bytes_sent"] == topk_bytes(n)).all()
+    if "fetch_every" in settings:  # a push without a fetch brings no weights back
+        assert 0.4 * len(pushes) <= len(replies) <= 0.6 * len(pushes)
     summary = run.summary()
     assert summary["bytes_received_per_step"] == pytest.approx(replies["bytes_received"].sum() / len(frame))
     assert summary["bytes_received_per_step"] * 10 <= 4 * n * len(replies) / len(frame)  # the same replies dense
