@@ -7,7 +7,8 @@ worker and with N workers under each strategy setting. Repetitions interleave; m
 The last line printed is one JSON object with the ratios.
 
 The parameter-server strategies (async with push_every 1 and 4, ssp with max_staleness 2, easgd, and
-async with top-k 1% compression) also report bytes sent per step and staleness.
+async with top-k 1% compression both ways, and with dense replies) also report bytes sent and received
+per step and staleness.
 
     python benchmarks/throughput.py [--workers 2] [--repeats 3] [--steps 150] [--only async]
 """
@@ -126,6 +127,7 @@ def measure_workbench(client, steps, workers, strategy, **settings):
         total += rows["samples"].iloc[1:].sum() / span
     summary = run.summary()
     extras = {"bytes_per_step": summary.get("bytes_sent_per_step"),
+              "received_per_step": summary.get("bytes_received_per_step"),
               "staleness_mean": summary.get("staleness", {}).get("mean"),
               "comm_hidden": summary.get("comm_hidden_fraction")}
     return total, extras
@@ -144,7 +146,9 @@ def main() -> None:
     configs += [(f"async p{p} x{n}", n, "async", {"push_every": p}) for p in (1, 4)]
     configs += [(f"ssp s2 p4 x{n}", n, "ssp", {"max_staleness": 2, "push_every": 4}),
                 (f"easgd p4 x{n}", n, "easgd", {"period": 4}),
-                (f"async topk1% p1 x{n}", n, "async", {"compression": "topk", "topk_ratio": 0.01})]
+                (f"async topk1% p1 x{n}", n, "async", {"compression": "topk", "topk_ratio": 0.01}),
+                (f"async topk1% dense-replies p1 x{n}", n, "async",
+                 {"compression": "topk", "topk_ratio": 0.01, "reply_compression": "none"})]
     if arguments.only:
         configs = [c for c in configs if arguments.only in c[0]]
     samples: dict[str, list[float]] = {"plain": [], f"ddp x{n}": []}
@@ -165,13 +169,15 @@ def main() -> None:
     plain = medians["plain"]
     print(f"\nMLP 784-1024-1024-10, batch {BATCH}/worker, {n} workers, {arguments.repeats} repeats "
           f"(medians), {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'configuration':<24}{'samples/s':>12}{'vs plain':>10}{'KiB/step':>10}{'staleness':>10}{'hidden':>8}")
+    print(f"{'configuration':<36}{'samples/s':>12}{'vs plain':>10}{'sent KiB':>10}{'recv KiB':>10}"
+          f"{'staleness':>10}{'hidden':>8}")
     for name, value in medians.items():
         extra = extras.get(name, {})
         kib = f"{extra['bytes_per_step'] / 1024:,.1f}" if extra.get("bytes_per_step") else ""
+        received = f"{extra['received_per_step'] / 1024:,.1f}" if extra.get("received_per_step") else ""
         stale = f"{extra['staleness_mean']:.2f}" if extra.get("staleness_mean") is not None else ""
         hidden = f"{extra['comm_hidden']:.0%}" if extra.get("comm_hidden") is not None else ""
-        print(f"{name:<24}{value:>12,.0f}{value / plain:>10.2f}{kib:>10}{stale:>10}{hidden:>8}")
+        print(f"{name:<36}{value:>12,.0f}{value / plain:>10.2f}{kib:>10}{received:>10}{stale:>10}{hidden:>8}")
     result = {
         "machine": f"{os.cpu_count()} cores, {platform.machine()}",
         "date": datetime.date.today().isoformat(),
@@ -195,6 +201,8 @@ def main() -> None:
     dense, sparse = extras.get(f"async p1 x{n}"), extras.get(f"async topk1% p1 x{n}")
     if dense and sparse:
         result["compression_bytes_ratio"] = dense["bytes_per_step"] / sparse["bytes_per_step"]
+        if sparse.get("received_per_step"):
+            result["compression_received_bytes_ratio"] = dense["received_per_step"] / sparse["received_per_step"]
     result = {k: v for k, v in result.items() if v is not None}
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from workbench.compression import ErrorFeedback, decode, encode, validate_compression
+from workbench.compression import ErrorFeedback, decode, encode, largest_magnitudes, validate_compression
 from workbench.errors import ConfigError
 
 
@@ -68,3 +68,23 @@ def test_bad_compression_options_are_named(values, parameter):
     with pytest.raises(ConfigError) as error:
         validate_compression(*values)
     assert error.value.parameter == parameter
+
+
+@pytest.mark.parametrize("case", ["normal", "layers of different scales", "mostly zeros", "ties", "sorted"])
+def test_largest_magnitudes_selects_what_torch_topk_selects(case):
+    generator = torch.Generator().manual_seed(3)
+    n, k = 400_000, 4_000
+    vector = torch.randn(n, generator=generator)
+    if case == "layers of different scales":  # the sample must not miss a small layer of large values
+        vector[: n // 10] *= 1e-4
+        vector[-n // 100:] *= 100
+    elif case == "mostly zeros":  # fewer non-zeros than k: the cut is 0, the plain top-k is taken
+        vector[torch.randperm(n, generator=generator)[k // 2:]] = 0
+    elif case == "ties":
+        vector = torch.randint(-3, 4, (n,), generator=generator).float()
+    elif case == "sorted":  # a strided sample of a sorted vector still gives the right cut
+        vector = torch.linspace(-1, 1, n)
+    indices = largest_magnitudes(vector, k)
+    expected = torch.topk(vector.abs(), k).values
+    assert indices.numel() == k and indices.unique().numel() == k
+    assert torch.equal(vector[indices].abs().sort(descending=True).values, expected)

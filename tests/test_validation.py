@@ -141,6 +141,7 @@ BAD_SETTINGS = [
     ("alpha", "easgd", {"alpha": 1.5}),
     ("alpha", "easgd", {"alpha": float("nan")}),
     ("compression", "async", {"compression": "gzip"}),
+    ("reply_compression", "easgd", {"reply_compression": "gzip"}),
     ("topk_ratio", "async", {"compression": "topk", "topk_ratio": 0}),
     ("threshold_tau", "ssp", {"threshold_tau": -1e-3}),
     ("shards", "easgd", {"shards": 0}),

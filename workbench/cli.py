@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-staleness", type=int, default=None, help="SSP bound in clocks ('ssp'; 0 = BSP)")
     run.add_argument("--alpha", type=_positive_float, default=None, help="elastic pull strength ('easgd')")
     run.add_argument("--shards", type=_positive_int, default=None, help="parameter-server shards")
-    run.add_argument("--compression", default=None, choices=COMPRESSIONS, help="what travels to the server")
+    run.add_argument("--compression", default=None, choices=COMPRESSIONS,
+                     help="what travels to the server, and back unless --reply-compression says otherwise")
+    run.add_argument("--reply-compression", default=None, choices=COMPRESSIONS,
+                     help="what the server sends back (default: as --compression)")
     run.add_argument("--topk-ratio", type=_positive_float, default=None, help="fraction sent by --compression topk")
     run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
@@ -188,7 +191,8 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
 FAULT_TOLERANCE_FLAGS = ("checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
                          "collective_timeout_s")
 # Command-line flags that are strategy settings (checked against the chosen strategy's settings).
-SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "topk_ratio")
+SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "reply_compression",
+                 "topk_ratio")
 
 
 def _follow(run: Any, disable: bool) -> None:

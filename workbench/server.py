@@ -2,9 +2,11 @@
 
 `ParameterShard` is the actor, one per contiguous range of the flattened parameters (`shards=K` puts K
 of them on different workers). It is a thin shell: bookkeeping (versions, clocks, staleness) is the pure
-`ServerBook`, compression is `compression.decode`. Tensor arithmetic runs in plain methods, on the
-worker's single actor thread; waiting (the SSP bound, the end of the run) happens in `async def` methods
-on the worker's event loop, so a waiting worker never blocks the actor thread for the others.
+`ServerBook`, decompression of pushes is `compression.decode`, and compressed replies (weights as deltas
+against per-worker mirrors, elastic pulls) are the pure `replies.WeightMirrors` / `ElasticMirrors`.
+Tensor arithmetic runs in plain methods, on the worker's single actor thread; waiting (the SSP bound,
+the end of the run) happens in `async def` methods on the worker's event loop, so a waiting worker never
+blocks the actor thread for the others.
 
 `ServerHandle` is the picklable description the client hands to the workers; `ServerClient` is the
 worker-side view that splits vectors over the shards and calls them concurrently.
@@ -22,11 +24,11 @@ from typing import Any
 import torch
 from distributed.protocol import register_generic
 
-from .averaging import (elastic_pull, flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state,
-                        slice_optimizer_state)
+from .averaging import flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state, slice_optimizer_state
 from .compression import Packet, decode
 from .errors import TrainingError
 from .job import Job, make_optimizer
+from .replies import ElasticMirrors, WeightMirrors
 from .sharding import split_ranges
 from .staleness import ServerBook
 
@@ -39,8 +41,27 @@ class Reply:
     staleness: int = 0
     clock_gap: int = 0
     slowest_clock: int = 0
-    weights: torch.Tensor | None = None  # the shard's weights, when fetched
-    pull: torch.Tensor | None = None  # elastic averaging: what the worker subtracts from its weights
+    # When fetched: the shard's weights, in full or as a compressed change (see `replies.py`).
+    weights: Packet | None = None
+    pull: Packet | None = None  # elastic averaging: what the worker subtracts from its weights
+
+
+@dataclasses.dataclass
+class Replies:
+    """All shards' replies to one call, seen as one: shard 0's version and clocks (the coordinator's),
+    the largest staleness, and the shards' packets in range order."""
+
+    version: int
+    staleness: int = 0
+    clock_gap: int = 0
+    slowest_clock: int = 0
+    weights: list[Packet] | None = None
+    pull: list[Packet] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes the replies carried (what `bytes_received` reports)."""
+        return sum(packet.nbytes for packets in (self.weights, self.pull) for packet in packets or ())
 
 
 # Tensors inside these travel as raw frames through Dask's tensor serializer; pickled, each 7 MB of
@@ -54,7 +75,8 @@ class ParameterShard:
 
     def __init__(self, index: int, weights: torch.Tensor, job: Job, workers: list[int],
                  staleness_aware_lr: bool = False, optimizer_state: dict[str, Any] | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, replies: tuple[str, float, float] = ("none", 0.01, 1e-3),
+                 elastic: bool = False) -> None:
         self.index = index
         self.parameter = torch.nn.Parameter(weights.detach().clone().float(), requires_grad=False)
         self.optimizer = make_optimizer(job, [self.parameter])
@@ -62,9 +84,11 @@ class ParameterShard:
         load_flat_optimizer_state(self.optimizer, optimizer_state or {})
         self.staleness_aware_lr = staleness_aware_lr
         self.book = ServerBook(workers, version)
-        # Elastic averaging: the server's copy of each worker's weights, kept equal to the worker's own
-        # copy by applying the same decoded updates on both sides (so only compressed deltas travel).
-        self.mirrors: dict[int, torch.Tensor] = {}
+        # Replies compressed as `replies` = (kind, topk_ratio, threshold_tau), against one mirror of this
+        # shard's range per worker: the weights it knows (async, ssp; none kept when replies are not
+        # compressed), or for elastic averaging its own weights. A new shard has none, so its first reply
+        # to each worker carries the weights in full.
+        self.mirrors = ElasticMirrors(*replies) if elastic else WeightMirrors(*replies)
         self.created = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -72,9 +96,10 @@ class ParameterShard:
 
     # --- tensor work: plain methods, run on the actor thread --------------------------------------------
 
-    def fetch(self, worker: int) -> Reply:
+    def fetch(self, worker: int, full: bool = False) -> Reply:
+        """The shard's weights for `worker` (`full`: in full, for a worker that holds none yet)."""
         version = self.book.fetch(worker)
-        return Reply(version, weights=self.parameter.data.clone())  # a copy: serialised after we return
+        return Reply(version, weights=self.mirrors.reply(worker, self.parameter.data, full))
 
     def push(self, worker: int, packet: Packet, lr: float, clock: int | None = None, fetch: bool = False) -> Reply:
         """Apply one worker's accumulated gradient with the server optimizer; optionally return the weights."""
@@ -89,24 +114,21 @@ class ParameterShard:
         reply = Reply(**dataclasses.asdict(receipt))
         if fetch:
             reply.version = self.book.fetch(worker)
-            reply.weights = self.parameter.data.clone()
+            reply.weights = self.mirrors.reply(worker, self.parameter.data)
         self._notify()
         return reply
 
     def elastic(self, worker: int, packet: Packet, alpha: float, clock: int | None = None) -> Reply:
         """Elastic averaging exchange: returns the pull the worker subtracts from its weights."""
-        center = self.parameter.data
-        mirror = self.mirrors.setdefault(worker, center.clone())
-        mirror += decode(packet)
-        pull = elastic_pull(mirror, center, alpha)
-        center += pull
-        mirror -= pull
+        pull = self.mirrors.exchange(worker, self.parameter.data, packet, alpha)
         receipt = self.book.exchange(worker, clock)
         self._notify()
         return Reply(**dataclasses.asdict(receipt), pull=pull)
 
     def finish(self, worker: int) -> int:
         self.book.finish(worker)
+        # It only takes the final weights now, in full: its mirrors can go.
+        self.mirrors.forget(worker)
         self._notify()
         return self.book.version
 
@@ -192,15 +214,18 @@ class ServerHandle:
 
 def start_parameter_server(client: Any, run_id: str, addresses: list[str], weights: torch.Tensor, job: Job,
                            shards: int, world_size: int, staleness_aware_lr: bool,
-                           optimizer_state: dict[str, Any] | None = None, version: int = 0) -> ServerHandle:
+                           optimizer_state: dict[str, Any] | None = None, version: int = 0,
+                           replies: tuple[str, float, float] = ("none", 0.01, 1e-3),
+                           elastic: bool = False) -> ServerHandle:
     """Create `shards` actors over contiguous ranges of `weights` (and of the optimizer state, when one is
-    carried over), spread over the run's workers."""
+    carried over), spread over the run's workers; `replies`: (compression kind, topk_ratio,
+    threshold_tau) of what they send back, `elastic`: for elastic averaging (see `replies.py`)."""
     ranges = split_ranges(weights.numel(), shards)
     state = optimizer_state or {}
     futures = [
         client.submit(ParameterShard, index, weights[start:stop].clone(), job, list(range(world_size)),
-                      staleness_aware_lr, slice_optimizer_state(state, start, stop), version,
-                      actor=True, workers=[addresses[index % len(addresses)]],
+                      staleness_aware_lr, slice_optimizer_state(state, start, stop), version, tuple(replies),
+                      elastic, actor=True, workers=[addresses[index % len(addresses)]],
                       allow_other_workers=False, pure=False, key=f"workbench-{run_id}-server-{index}-{uuid.uuid4().hex[:8]}")
         for index, (start, stop) in enumerate(ranges)
     ]
@@ -271,8 +296,10 @@ class ServerClient:
     def split(self, vector: torch.Tensor) -> list[torch.Tensor]:
         return [vector[start:stop] for start, stop in self.ranges]
 
-    def fetch(self, worker: int) -> Reply:
-        replies, _ = self._call(lambda actor, _: actor.fetch(worker)).result(self.timeout_s)
+    def fetch(self, worker: int, full: bool = False) -> Replies:
+        """The server's weights for `worker`: in full when `full` or when a shard has no mirror of it,
+        else as compressed changes (see `replies.py`)."""
+        replies, _ = self._call(lambda actor, _: actor.fetch(worker, full)).result(self.timeout_s)
         return merge_replies(replies)
 
     def push(self, worker: int, packets: list[Packet], lr: float, clock: int | None, fetch: bool) -> Call:
@@ -354,10 +381,9 @@ class ServerClient:
         return Call([method(actor, index) for index, actor in enumerate(self.actors)], self._loop, self._abandoned)
 
 
-def merge_replies(replies: list[Reply]) -> Reply:
-    """One view of the shards' replies: shard 0's version and clocks (the coordinator's), the largest
-    staleness, and the dense vectors joined back together in range order."""
+def merge_replies(replies: list[Reply]) -> Replies:
+    """One view of the shards' replies (see `Replies`)."""
     first = replies[0]
-    joined = {name: torch.cat([getattr(r, name) for r in replies]) if len(replies) > 1 else getattr(first, name)
-              for name in ("weights", "pull") if getattr(first, name) is not None}
-    return dataclasses.replace(first, staleness=max(r.staleness for r in replies), **joined)
+    packets = {name: [getattr(r, name) for r in replies] for name in ("weights", "pull")
+               if getattr(first, name) is not None}
+    return Replies(first.version, max(r.staleness for r in replies), first.clock_gap, first.slowest_clock, **packets)

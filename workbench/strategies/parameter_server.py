@@ -5,6 +5,13 @@ Each worker trains on its own and talks to the server (Dask actors, see `server.
 never through a process group. One call to the server is in flight at a time and runs in the
 background while the next steps compute: a worker blocks only when the previous call has not returned
 by the time the next is due (`comm_s`, the exposed part); `comm_total_s` is the whole round trip.
+
+With `compression` (and `reply_compression`, by default the same) other than "none", traffic is
+compressed both ways: pushes with error feedback on the worker, replies as changes against a mirror of
+what each worker holds (`replies.py`). An `async`/`ssp` worker keeps its copy of the server's weights
+(`known`) and trains on `known` minus its window not pushed yet; an `easgd` worker gets its elastic
+pull compressed. The weights travel in full only in a worker's first fetch from a new server (start,
+switch, resume), at the end of the run and for checkpoints.
 """
 from __future__ import annotations
 
@@ -18,9 +25,11 @@ from distributed import get_client, get_worker
 
 from .. import collectives
 from ..averaging import flat_optimizer_state, flatten, unflatten_into
-from ..compression import SPARSE_COMPRESSIONS, ErrorFeedback, decode, validate_compression
+from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
+                           validate_compression)
 from ..errors import ConfigError
-from ..server import Call, Reply, ServerClient, ServerHandle, merge_replies, start_parameter_server
+from ..replies import KnownWeights
+from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies, start_parameter_server
 from .base import (Carried, Strategy, StrategySettings, TrainingContext, check_positive_int,
                    check_positive_number)
 
@@ -39,12 +48,26 @@ class ServerOptions(StrategySettings):
     threshold_tau: float = 1e-3
     """Strom's threshold: values beyond +/- tau are sent as +/- tau; the rest waits in the residual. Used
     rounded to the nearest power of two (1e-3 -> 2^-10), which keeps the residual arithmetic exact."""
+    reply_compression: str | None = None
+    """What travels back (fetched weights, elastic pulls): None (default) for the same as `compression`;
+    'none' for dense float32 weights, which costs the server no selection (CPU) per reply and suits a
+    fast link; otherwise compressed changes against a mirror of what each worker holds, with the same
+    `topk_ratio` / `threshold_tau`. Threshold suits gradients better than weights: a weight lags the
+    server by up to tau, and moves towards it by tau per reply at most."""
 
     def validate(self) -> None:
         check_positive_int("shards", self.shards)
         if not isinstance(self.overlap, bool):
             raise ConfigError("overlap", self.overlap, "True or False")
         validate_compression(self.compression, self.topk_ratio, self.threshold_tau)
+        if self.reply_compression is not None and self.reply_compression not in COMPRESSIONS:
+            raise ConfigError("reply_compression", self.reply_compression,
+                              f"None (the same as compression) or one of {list(COMPRESSIONS)}")
+
+    def replies(self) -> tuple[str, float, float]:
+        """How the server compresses its replies: (kind, topk_ratio, threshold_tau)."""
+        kind = self.compression if self.reply_compression is None else self.reply_compression
+        return kind, self.topk_ratio, self.threshold_tau
 
 
 @dataclasses.dataclass
@@ -106,6 +129,7 @@ class _ServerStrategy(Strategy):
 
     uses_process_group = False
     settings: ServerOptions
+    elastic = False  # the server's replies are elastic pulls (easgd), not weights
 
     @classmethod
     def check_world(cls, settings: ServerOptions, world_size: int) -> None:
@@ -120,7 +144,8 @@ class _ServerStrategy(Strategy):
         return start_parameter_server(get_client(), context.run_id, context.addresses,
                                       flatten(list(context.model.parameters())), server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
-                                      self._server_optimizer_state(), getattr(self, "restored_version", 0))
+                                      self._server_optimizer_state(), getattr(self, "restored_version", 0),
+                                      self.settings.replies(), self.elastic)
 
     def setup(self, context: TrainingContext) -> None:
         # Started here rather than by the client, so a live switch can start one from the weights of the
@@ -132,20 +157,28 @@ class _ServerStrategy(Strategy):
         self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
         self.parameters = list(context.model.parameters())
         self.numel = sum(p.numel() for p in self.parameters)
-        self.compressors = [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
-                                          self.settings.threshold_tau) for start, stop in self.server.ranges]
+        self.compressors = self._compressors()
         restored = getattr(self, "restored_residuals", None)
         if restored is not None and [r is None for r in restored] == [c.residual is None for c in self.compressors] \
                 and all(r is None or r.numel() == c.residual.numel() for r, c in zip(restored, self.compressors)):
             for compressor, residual in zip(self.compressors, restored):
                 compressor.residual = residual  # what earlier pushes had not sent yet
-        self._load(self.server.fetch(self.rank).weights)
+        # This worker's copy of the server's weights. A new server has no mirror of it: the first fetch
+        # carries the weights in full; later ones, with compressed replies, only changes.
+        self.known = KnownWeights(len(self.server.ranges))
+        self.known.apply(self.server.fetch(self.rank, full=True).weights)
+        self._load(self.known.vector())
         self.pending: Call | None = None
         self.clock = 0  # windows sent
         self.steps_since_send = 0
         # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
         # lower bound between replies.
         self.known_slowest_clock = 0
+
+    def _compressors(self) -> list[ErrorFeedback]:
+        """One push compressor per shard, each keeping the residual of what its pushes did not send."""
+        return [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
+                              self.settings.threshold_tau) for start, stop in self.server.ranges]
 
     def _encode(self, vector: torch.Tensor, copy: bool = True) -> tuple[list[Any], int]:
         packets = [compressor.encode(part, copy) for compressor, part in zip(self.compressors, self.server.split(vector))]
@@ -164,7 +197,7 @@ class _ServerStrategy(Strategy):
         self.pending = None
         reply = merge_replies(replies)
         self.known_slowest_clock = max(self.known_slowest_clock, reply.slowest_clock)
-        received = self._apply(reply)
+        received = self._apply(reply)  # the compressed size, as it travelled
         return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply.staleness,
                 "server_version": reply.version, "clock_gap": reply.clock_gap, "bytes_received": received}
 
@@ -191,7 +224,7 @@ class _ServerStrategy(Strategy):
         """Start this window's exchange (`self.pending`); returns the metrics of what was sent."""
         raise NotImplementedError
 
-    def _apply(self, reply: Reply) -> int:
+    def _apply(self, reply: Replies) -> int:
         """Use a reply on the local weights; returns the bytes it brought."""
         return 0
 
@@ -386,16 +419,19 @@ class AsyncSGD(_ServerStrategy):
         self.accumulated, self.views = self.buffers[index], self.buffer_views[index]
         self.accumulated.zero_()
 
-    def _apply(self, reply: Reply) -> int:
+    def _apply(self, reply: Replies) -> int:
         if reply.weights is None:
             return 0
-        self._load(reply.weights)
+        # Full weights, or the change since what this worker knew (the same change the server added to
+        # its mirror of this worker): either way `known` is then the server's weights as far as sent.
+        self.known.apply(reply.weights)
+        self._load(self.known.vector())
         # The server's weights lack this window's steps, not pushed yet (with overlap, the reply to the
         # previous push arrives after the next step): keep them, as the local SGD steps had them, so
         # the next gradient is not computed on weights that are missing this worker's own latest work.
         for parameter, view in zip(self.parameters, self.views):
             parameter.data.add_(view, alpha=-self.local_lr)
-        return reply.weights.numel() * 4
+        return reply.nbytes
 
     def _flush(self, context: TrainingContext) -> None:
         if self.steps_since_send:  # the last, partial window
@@ -438,8 +474,9 @@ class StaleSynchronous(AsyncSGD):
         if reply["blocked_s"] > SSP_REFRESH_AFTER_S:
             # The others pushed while this worker waited: train on from the server's weights of now, not
             # those its push's reply carries (as Petuum's SSP refreshes a stale cache after a wait).
+            # (A change against this worker's mirror when replies are compressed; nothing is unpushed now.)
             report = _merge(report, self._collect(block=True))
-            self._load(self.server.fetch(self.rank).weights)
+            report = _merge(report, {"bytes_received": self._apply(self.server.fetch(self.rank))})
             self.steps_since_fetch = 0
         return report
 
@@ -448,13 +485,32 @@ class ElasticAveraging(_ServerStrategy):
     name = "easgd"
     settings_class = EASGDSettings
     settings: EASGDSettings
+    elastic = True
     summary = ("Elastic averaging SGD: workers keep their own weights and every `period` steps exchange an "
                "elastic pull of strength `alpha` with a center variable on the server (the final model).")
 
     def setup(self, context: TrainingContext) -> None:
         super().setup(context)
-        # This worker's weights as the server knows them (see ParameterShard.elastic).
+        # This worker's weights as the server knows them (see `replies.ElasticMirrors`): the server's
+        # mirror starts at the weights of the first fetch, as this one does.
         self.mirror = flatten(self.parameters)
+        self.known = None  # elastic averaging fetches weights only to start
+
+    def _compressors(self) -> list[ErrorFeedback]:
+        return []  # see `_encode`
+
+    def _encode(self, vector: torch.Tensor, copy: bool = True) -> tuple[list[Any], int]:
+        # The mirror is the error feedback here: what a push did not send stays in weights - mirror. A
+        # residual kept as well sends it twice: with top-k 10% over 20 random updates (weights within
+        # +/-0.17) and then 20 pushes of nothing new, |weights - mirror| grew to 19 instead of reaching 0
+        # (tests/test_replies.py).
+        settings = self.settings
+        packets = [encode(part, settings.compression, settings.topk_ratio, settings.threshold_tau, copy)
+                   for part in self.server.split(vector)]
+        return packets, sum(packet.nbytes for packet in packets)
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}  # no residuals: the server's mirror of this worker starts afresh with the next server
 
     def _send_every(self) -> int:
         return self.settings.period
@@ -462,14 +518,17 @@ class ElasticAveraging(_ServerStrategy):
     def _send(self, context: TrainingContext) -> dict[str, Any]:
         packets, sent = self._encode(flatten(self.parameters) - self.mirror)
         for part, packet in zip(self.server.split(self.mirror), packets):
-            part += decode(packet)  # the same decoded update the server adds to its mirror
+            add_decoded(part, packet)  # the same decoded update the server adds to its mirror
         self.clock += 1
         self.pending = self.server.elastic(self.rank, packets, self.settings.alpha, self.clock)
         return {"bytes_sent": sent, "clock": self.clock}
 
-    def _apply(self, reply: Reply) -> int:
-        pull = reply.pull
-        self.mirror -= pull
+    def _apply(self, reply: Replies) -> int:
+        # The pull, compressed when replies are: this worker and its mirror move by what was sent; the
+        # rest stays in the distance to the center, which the next pull is computed from.
+        for part, packet in zip(self.server.split(self.mirror), reply.pull):
+            add_decoded(part, packet, alpha=-1.0)  # as the server's mirror does
+        pull = torch.cat([decode(packet) for packet in reply.pull]) if len(reply.pull) > 1 else decode(reply.pull[0])
         for parameter, part in zip(self.parameters, _views(pull, self.parameters)):
             parameter.data.sub_(part)
-        return pull.numel() * 4
+        return reply.nbytes
