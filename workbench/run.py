@@ -670,9 +670,12 @@ class Run:
             exception, tb = future.exception(), future.traceback()
             if isinstance(exception, DivergenceError) and diverged is None:
                 diverged = str(exception)
-            if f"{type(exception).__name__}: {exception}" in seen:
-                continue  # the same finding on every rank (a group that cannot form): said once
-            seen.add(f"{type(exception).__name__}: {exception}")
+            text = f"{type(exception).__name__}: {exception}"
+            if text in seen:  # the same error on several ranks (a group that cannot form): its text once
+                errors.append(f"worker {rank} ({addresses[rank]}) failed: {type(exception).__name__}: the same "
+                              f"error\n")
+                continue
+            seen.add(text)
             errors.append(f"worker {rank} ({addresses[rank]}) failed: {type(exception).__name__}: {exception}\n"
                           + ("".join(traceback.format_tb(tb)) if tb else ""))
         # The first worker to fail says why; the others mostly failed because it left.
