@@ -3,10 +3,10 @@
 checkpoint taken with an exchange in flight. The arithmetic itself is unit-tested in test_averaging.py."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,7 +14,7 @@ import workbench
 from workbench import checkpoint as checkpoints
 from workbench.errors import ConfigError
 from workbench.run import Run
-from workbench.strategies import make_settings
+from workbench.strategies import get_strategy, make_settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -178,4 +178,18 @@ def test_bad_slow_link_settings_are_refused_naming_them(parameter, strategy, val
 def test_the_slow_link_settings_are_live_except_the_bucket_size():
     assert set(make_settings("average", {}).live) == {"period", "overlap", "wire_dtype", "outer_lr", "outer_momentum"}
     assert make_settings("allreduce", {}).live == ("wire_dtype",)
-    assert np.isclose(make_settings("average", {}).outer_lr, 1.0) and make_settings("average", {}).outer_momentum == 0
+    defaults = make_settings("average", {})
+    assert (defaults.overlap, defaults.wire_dtype, defaults.outer_lr, defaults.outer_momentum) == (False, "float32", 1, 0)
+    assert make_settings("allreduce", {}).wire_dtype == "float32"
+
+
+def test_the_control_panel_form_offers_the_wire_dtypes_and_gives_every_setting_back():
+    from widgets.control_panel import _setting_value, _setting_widget
+
+    for strategy in ("average", "allreduce"):
+        settings_class = get_strategy(strategy).settings_class
+        values = dataclasses.asdict(settings_class(wire_dtype="bf16"))
+        fields = dataclasses.fields(settings_class)
+        widgets = {field.name: _setting_widget(field, values[field.name]) for field in fields}
+        assert list(widgets["wire_dtype"].options) == ["float32", "fp16", "bf16"]
+        assert {name: _setting_value(widget) for name, widget in widgets.items()} == values

@@ -104,11 +104,13 @@ class Average(Strategy):
         self.steps_since_sync = int(restored.get("steps_since_sync", 0))
         weights = flatten(self.parameters)
         saved = restored.get("global_weights")
-        self.global_weights = saved.clone() if isinstance(saved, torch.Tensor) and saved.shape == weights.shape \
-            else weights
+        fits = isinstance(saved, torch.Tensor) and saved.shape == weights.shape
+        # Without saved global weights (a checkpoint from before they were kept), the common weights the
+        # workers resume from are the base of the next outer step.
+        self.global_weights = saved.to(weights.device, copy=True) if fits else weights
         buffer = restored.get("outer_momentum_buffer")
-        self.outer_buffer = buffer.clone() if isinstance(buffer, torch.Tensor) and buffer.shape == weights.shape \
-            else None
+        fits = isinstance(buffer, torch.Tensor) and buffer.shape == weights.shape
+        self.outer_buffer = buffer.to(weights.device, copy=True) if fits else None
         self.exchange: _Exchange | None = None
         self.landed_between_steps_s = 0.0  # an exchange applied between steps (overlap turned off)
 
@@ -124,8 +126,10 @@ class Average(Strategy):
             global_weights, buffer = self._outer_step(self._arrived())
             carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
         collectives.all_reduce_mean(carried.weights)
-        return carried, {"steps_since_sync": self.steps_since_sync, "global_weights": global_weights.clone(),
-                         "outer_momentum_buffer": None if buffer is None else buffer.clone(),
+        # On the CPU: the checkpoint travels to the client, which may have no GPU.
+        return carried, {"steps_since_sync": self.steps_since_sync,
+                         "global_weights": global_weights.to("cpu", copy=True),
+                         "outer_momentum_buffer": None if buffer is None else buffer.to("cpu", copy=True),
                          "exchange_in_flight": in_flight}
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
