@@ -16,6 +16,7 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
+from workbench.averaging import WIRE_DTYPES
 from workbench.compression import COMPRESSIONS
 from workbench.strategies import STRATEGIES, get_strategy
 
@@ -281,6 +282,8 @@ def _setting_widget(field: dataclasses.Field, value: Any) -> ipw.Widget:
         return ipw.Checkbox(value=bool(value), description=field.name, style=style, indent=False)
     if field.name == "compression":
         return ipw.Dropdown(options=list(COMPRESSIONS), value=value, description=field.name, style=style)
+    if field.name == "wire_dtype":
+        return ipw.Dropdown(options=list(WIRE_DTYPES), value=value, description=field.name, style=style)
     if kind == "int":
         return ipw.IntText(value=value, description=field.name, style=style)
     if kind == "float":

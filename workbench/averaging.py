@@ -1,4 +1,5 @@
-"""Pure arithmetic of data-parallel synchronisation: bucketing, averaging, divergence. No I/O here.
+"""Pure arithmetic of data-parallel synchronisation: bucketing, averaging, divergence, low-precision wire
+payloads, the outer optimizer (DiLoCo) and delayed averaging. No I/O here.
 
 Kept apart from the collectives so it is unit-tested without a process group.
 """
@@ -147,3 +148,87 @@ def fingerprint(vector: torch.Tensor, probes: int = 3, seed: int = 0) -> list[fl
 
 
 FINGERPRINT_CHUNK = 1 << 20
+
+
+# --- slow links: low precision on the wire, the outer optimizer, delayed (overlapped) averaging ------------
+
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def scale_for_wire(vector: torch.Tensor, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """In place: `vector` / `world_size`, ready to be cast to `dtype` for a sum all-reduce that yields the mean.
+
+    Divided before the sum, as PyTorch DDP's `fp16_compress_hook` does, so that the sum of the ranks'
+    values cannot overflow fp16 where the values themselves fit; here divided while still float32 (one
+    rounding, not two) and clamped so that `world_size` of them still fit fp16's range (as the `fp16`
+    compression of the parameter server clamps). bf16 has float32's range and needs no clamp.
+    """
+    vector.div_(world_size)
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max / world_size
+        vector.clamp_(-limit, limit)
+    return vector
+
+
+def all_reduce_bytes_sent(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a bandwidth-optimal (ring) all-reduce of `payload_bytes`: 2 (N - 1) / N of
+    it, half in the reduce-scatter and half in the all-gather; one whole payload with two workers."""
+    return 2 * (world_size - 1) * payload_bytes // world_size if world_size > 1 else 0
+
+
+def encode_weights(local: torch.Tensor, base: torch.Tensor, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """What a worker puts on the wire for a sum all-reduce whose result `decode_average` turns into the
+    workers' mean weights.
+
+    float32: the weights themselves (a copy), summed and then divided, exactly today's averaging.
+    fp16/bf16: the change from `base` (the last common weights, equal on every worker), pre-divided by
+    the world size. Weights cast to half precision would lose what training added since the base
+    (fp16 keeps 11 bits: a weight of 0.05 is rounded by 2.4e-5, about what one SGD step moves it); the
+    change is small and keeps its own relative precision, as DiLoCo's outer gradients do on the wire.
+    """
+    if dtype == torch.float32:
+        return local.clone()
+    return scale_for_wire(base - local, dtype, world_size).to(dtype)
+
+
+def decode_average(summed: torch.Tensor, base: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The workers' mean weights (float32, a new tensor) from the sum all-reduce of `encode_weights`."""
+    if summed.dtype == torch.float32:
+        return summed / world_size
+    return base - summed.float()
+
+
+def outer_step(global_weights: torch.Tensor, average: torch.Tensor, momentum_buffer: torch.Tensor | None,
+               lr: float, momentum: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DiLoCo's outer optimizer (Douillard et al. 2023): SGD with Nesterov momentum whose gradient is the
+    outer gradient `global_weights - average` (how far the workers' mean moved back from the last common
+    weights). Returns the new global weights and momentum buffer; the inputs are left unchanged.
+
+    As `torch.optim.SGD(nesterov=True, dampening=0)`: buffer = momentum * buffer + gradient (a missing
+    buffer counts as zero, which is SGD's first-step rule), step = gradient + momentum * buffer, global =
+    global - lr * step. lr 1 and momentum 0 is plain averaging: the mean itself is returned, bit for
+    bit. With momentum 0 no buffer is kept (a later momentum starts it afresh, as SGD would).
+    """
+    if lr == 1 and momentum == 0:
+        return average, None
+    gradient = global_weights - average
+    if momentum == 0:
+        return global_weights - lr * gradient, None
+    buffer = gradient.clone() if momentum_buffer is None else momentum * momentum_buffer + gradient
+    return global_weights - lr * (gradient + momentum * buffer), buffer
+
+
+def delayed_apply(local: torch.Tensor, snapshot: torch.Tensor, new_global: torch.Tensor) -> torch.Tensor:
+    """Delayed averaging: the weights a worker goes on with when an exchange it started at `snapshot`
+    arrives one period late, while it trained on to `local`. new global + (local - snapshot).
+
+    Correct because every worker's weights are always the common global weights plus its own progress
+    not yet averaged: the exchange replaced each worker's progress up to the snapshot by everyone's mean
+    progress (inside `new_global`), and the progress made since the snapshot is the worker's own, kept
+    for the next exchange. No step is counted twice or lost; each is only averaged one period late, and
+    the progress since the snapshot was computed from the pre-exchange weights: the staleness that
+    overlapping pays for its hidden communication. This is the one-step delayed outer update of
+    Streaming DiLoCo's overlapped communication (Douillard et al. 2025) and the "naive delayed" variant
+    of Kale, Douillard and Donchev 2025, whose "eager updates" refine it.
+    """
+    return new_global + (local - snapshot)

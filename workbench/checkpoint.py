@@ -8,7 +8,8 @@ run directory atomically (temporary file, then rename):
 - `weights`: the model's state dict, common to all workers (the average, or the parameter server's);
 - `optimizer`: the job optimizer's state as `averaging.flat_optimizer_state` (the workers' mean, or the
   server's); `strategy`, `settings`, `lr`: what was training, as last switched or changed;
-- `strategy_state`: e.g. the parameter server's version, steps since the last average;
+- `strategy_state`: e.g. the parameter server's version, steps since the last average, `average`'s
+  global weights and outer momentum (with an exchange in flight: as once it is applied);
 - `ranks`: per worker, its random-number state and its compression residual and momentum, used when the
   run resumes on as many workers as it had;
 - `world_size`, `generation` (how many times the workers were regrouped), `time`.

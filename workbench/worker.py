@@ -95,7 +95,8 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname(),
                      generation=task.generation, start_step=task.start_step, allocator_tuned=allocator_tuned)
         result = loop.run(train_data, eval_data, resume_from)
-        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation)
+        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation,
+                     weights=result["weights"])
         return result
     except BaseException as error:
         superseded = isinstance(error, _Superseded) or loop.superseded()
@@ -278,8 +279,9 @@ class _Loop:
         # What the run goes on from when it is resumed, or continued on other workers.
         checkpoint = self._checkpoint(final=True)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if task.rank == 0 else None
+        # The final weights' fingerprint: anyone can check from the metrics that every worker ended equal.
         return {"rank": task.rank, "steps": self.step, "stopped": stopped, "state_dict": state,
-                "checkpoint": checkpoint}
+                "checkpoint": checkpoint, "weights": fingerprint(flatten(list(model.parameters())))}
 
     def _restore(self, context: TrainingContext, checkpoint: dict[str, Any]) -> None:
         """Start from a checkpoint: weights, optimizer and strategy state, and (on as many workers as it

@@ -1,40 +1,96 @@
-"""`average`: local SGD with synchronous parameter averaging every `period` steps.
+"""`average`: local SGD with synchronous parameter averaging every `period` steps, and its slow-link options.
 
 Workers train independently between syncs; at a sync all weights (and optionally the optimizer state)
 are replaced by their mean. With period 1, plain SGD and equal shards this equals one process training
-on the union of the workers' batches. Metrics: steps since the last sync, and at each sync the worker's
-relative divergence from the average just before it was overwritten.
+on the union of the workers' batches.
+
+For slow links (arithmetic in `averaging`, tested there without a process group):
+- `wire_dtype` fp16/bf16: the change since the last common weights travels in half precision;
+- `outer_lr`/`outer_momentum`: DiLoCo's outer optimizer, Nesterov SGD on the averaged change, so that
+  long periods still converge (1 and 0 are plain averaging, bit for bit);
+- `overlap`: a sync starts the exchange in the background and training goes on; the next sync, one
+  period later, waits for it and applies it keeping each worker's progress made meanwhile
+  (`averaging.delayed_apply`). `finish`, `carry_out` and checkpoints complete an exchange in flight.
+
+Every worker's weights are always the common global weights (`global_weights`, equal on all ranks)
+plus its own progress not yet averaged; that invariant is what lets overlap be switched on and off
+live. Metrics: steps since the last sync; at each sync `bytes_sent` (what a ring all-reduce sends per
+worker), `comm_s` (what the step paid: the wait plus copying weights in and out), `comm_total_s` (that
+plus the part of the exchange that ran hidden behind training) and the worker's relative divergence
+from the average it receives.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
+import torch
+
 from .. import collectives
-from ..averaging import flatten, optimizer_state_tensors, relative_divergence, unflatten_into
+from ..averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
+                         optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
 from ..errors import ConfigError
-from .base import Carried, Strategy, StrategySettings, TrainingContext, check_positive_int
+from .base import (Carried, Strategy, StrategySettings, TrainingContext, check_positive_int, check_positive_number,
+                   check_wire_dtype)
 
 
 @dataclasses.dataclass
 class AverageSettings(StrategySettings):
-    live = ("period",)
+    live = ("period", "overlap", "wire_dtype", "outer_lr", "outer_momentum")
 
     period: int = 4
     """Steps between parameter averages (1 = every step)."""
     average_optimizer_state: bool = False
-    """Also average optimizer state (momentum buffers, Adam moments) at each sync."""
+    """Also average optimizer state (momentum buffers, Adam moments) at each sync (always in float32)."""
+    overlap: bool = False
+    """Exchange in the background while the next period trains; apply the average one period late."""
+    wire_dtype: str = "float32"
+    """What travels: 'float32' (the weights, exact), 'fp16' or 'bf16' (the change since the last average)."""
+    outer_lr: float = 1.0
+    """Outer (DiLoCo) learning rate on the averaged change; 1 with outer_momentum 0 is plain averaging."""
+    outer_momentum: float = 0.0
+    """Outer Nesterov momentum (DiLoCo uses outer_lr 0.7, outer_momentum 0.9 with periods of hundreds)."""
 
     def validate(self) -> None:
         check_positive_int("period", self.period)
         if not isinstance(self.average_optimizer_state, bool):
             raise ConfigError("average_optimizer_state", self.average_optimizer_state, "True or False")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError("overlap", self.overlap, "True or False")
+        if self.overlap and self.average_optimizer_state:
+            # A delayed average of momentum buffers has no clear meaning (unlike weights, they are not
+            # "global plus own progress"); averaging them blocking would bring the wait back.
+            raise ConfigError("overlap", self.overlap, "False while average_optimizer_state=True",
+                              "Turn one of them off")
+        check_wire_dtype("wire_dtype", self.wire_dtype)
+        check_positive_number("outer_lr", self.outer_lr)
+        momentum = self.outer_momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ConfigError("outer_momentum", momentum, "a number in [0, 1), e.g. 0.9 (0 = no momentum)")
+
+
+@dataclasses.dataclass
+class _Exchange:
+    """One all-reduce of the workers' weights started at a sync (overlap) and not applied yet."""
+
+    work: Any
+    summed: torch.Tensor  # the wire payload, summed over the ranks in place once `work` completes
+    base: torch.Tensor  # the global weights it was encoded against
+    snapshot: torch.Tensor  # this worker's weights when it started: the progress since is its own
+    launched: float
+    finished: float = math.inf  # set from the collective's completion callback
+    average: torch.Tensor | None = None  # decoded once waited for
+
+    def note_finished(self, _future: Any) -> None:
+        self.finished = time.perf_counter()
 
 
 class Average(Strategy):
     name = "average"
     settings_class = AverageSettings
+    settings: AverageSettings
     uses_process_group = True
     summary = "Synchronous parameter averaging every `period` steps (local SGD). Less traffic, some drift."
     local_weights_drift = True
@@ -42,44 +98,152 @@ class Average(Strategy):
     def setup(self, context: TrainingContext) -> None:
         collectives.broadcast_tensors(list(context.model.state_dict().values()))
         self.parameters = [p for p in context.model.parameters()]
-        # A resumed run keeps its sync points where they were.
-        self.steps_since_sync = getattr(self, "restored_steps_since_sync", 0)
-
-    def checkpoint_state(self, context: TrainingContext, together: bool = True) -> tuple[Carried, dict[str, Any]]:
-        carried, _ = super().checkpoint_state(context, together)
-        return carried, {"steps_since_sync": self.steps_since_sync}
+        self.world_size = context.world_size
+        restored = getattr(self, "restored", {})
+        # A resumed run keeps its sync points where they were, and its outer optimizer's state.
+        self.steps_since_sync = int(restored.get("steps_since_sync", 0))
+        weights = flatten(self.parameters)
+        saved = restored.get("global_weights")
+        fits = isinstance(saved, torch.Tensor) and saved.shape == weights.shape
+        # Without saved global weights (a checkpoint from before they were kept), the common weights the
+        # workers resume from are the base of the next outer step.
+        self.global_weights = saved.to(weights.device, copy=True) if fits else weights
+        buffer = restored.get("outer_momentum_buffer")
+        fits = isinstance(buffer, torch.Tensor) and buffer.shape == weights.shape
+        self.outer_buffer = buffer.to(weights.device, copy=True) if fits else None
+        self.exchange: _Exchange | None = None
+        self.landed_between_steps_s = 0.0  # an exchange applied between steps (overlap turned off)
 
     def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
-        self.restored_steps_since_sync = int(strategy_state.get("steps_since_sync", 0))
+        self.restored = strategy_state
+
+    def checkpoint_state(self, context: TrainingContext, together: bool = True) -> tuple[Carried, dict[str, Any]]:
+        # What the workers would hold once the exchange in flight is applied: waited for here (the wait
+        # changes no value), applied at the next sync as planned, so the checkpoint changes no training.
+        carried = Strategy.carry_out(self, context)
+        global_weights, buffer, in_flight = self.global_weights, self.outer_buffer, self.exchange is not None
+        if self.exchange is not None:
+            global_weights, buffer = self._outer_step(self._arrived())
+            carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
+        collectives.all_reduce_mean(carried.weights)
+        # On the CPU: the checkpoint travels to the client, which may have no GPU.
+        return carried, {"steps_since_sync": self.steps_since_sync,
+                         "global_weights": global_weights.to("cpu", copy=True),
+                         "outer_momentum_buffer": None if buffer is None else buffer.to("cpu", copy=True),
+                         "exchange_in_flight": in_flight}
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
         self.steps_since_sync += 1
         if self.steps_since_sync < self.settings.period:
             return {"steps_since_sync": self.steps_since_sync}
         started = time.perf_counter()
-        divergence = self._synchronise(context)
-        return {"comm_s": time.perf_counter() - started, "steps_since_sync": 0, "divergence": divergence}
+        if self.settings.overlap:
+            report = self._overlapped_sync()
+        else:
+            report = self._synchronise(context)
+            report["comm_s"] = report["comm_total_s"] = time.perf_counter() - started
+        # An exchange landed between steps (overlap turned off) is counted with the next sync.
+        report["comm_s"] += self.landed_between_steps_s
+        report["comm_total_s"] += self.landed_between_steps_s
+        self.landed_between_steps_s = 0.0
+        return {**report, "steps_since_sync": 0}
 
     def finish(self, context: TrainingContext) -> None:
-        if self.steps_since_sync > 0:
+        if self.exchange is not None:
+            self._land()
+        if self.steps_since_sync > 0:  # progress not averaged yet (after landing, the progress since it started)
             self._synchronise(context)
+
+    def carry_out(self, context: TrainingContext) -> Carried:
+        self.finish(context)  # no-op after the loop's own `finish`; never carry an exchange in flight
+        return super().carry_out(context)
+
+    def close(self) -> None:
+        # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the
+        # process group goes, and the exchange with it.
+        self.exchange = None
 
     def control_alignment(self) -> int:
         # Agree on control at sync points, so a period is not broken up by extra barriers; a very long
         # period would make pause and stop wait for the next sync, so those agree in between.
         return self.settings.period if self.settings.period <= 32 else 1
 
-    def _synchronise(self, context: TrainingContext) -> float:
+    def update_settings(self, changes: dict[str, Any]) -> None:
+        # Called at the same step on every worker. Turning overlap off applies the exchange in flight now,
+        # so the next sync blocks from the same invariant (global weights plus own progress). A new
+        # wire_dtype or outer optimizer applies from the next exchange or landing on.
+        super().update_settings(changes)
+        if not self.settings.overlap and self.exchange is not None:
+            started = time.perf_counter()
+            self._land()
+            self.landed_between_steps_s += time.perf_counter() - started
+
+    # --- the two kinds of sync -----------------------------------------------------------------------
+
+    def _synchronise(self, context: TrainingContext) -> dict[str, Any]:
+        """Blocking: average now, apply the outer step, every worker continues from the new global weights."""
         local = flatten(self.parameters)
-        average = local.clone()
-        collectives.all_reduce_mean(average)
+        dtype = WIRE_DTYPES[self.settings.wire_dtype]
+        summed = encode_weights(local, self.global_weights, dtype, self.world_size)
+        collectives.wait(collectives.start_all_reduce(summed))
+        average = decode_average(summed, self.global_weights, self.world_size)
         divergence = relative_divergence(local, average)
-        unflatten_into(average, [p.data for p in self.parameters])
+        self.global_weights, self.outer_buffer = self._outer_step(average)
+        unflatten_into(self.global_weights, [p.data for p in self.parameters])
+        sent = summed.numel() * summed.element_size()
         if self.settings.average_optimizer_state:
             state = optimizer_state_tensors(context.optimizer)
             if state:
+                # float32 always: Adam's second moments (1e-10 and less) would flush to zero in fp16.
                 vector = flatten(state)
                 collectives.all_reduce_mean(vector)
                 unflatten_into(vector, state)
+                sent += vector.numel() * vector.element_size()
         self.steps_since_sync = 0
-        return divergence
+        return {"divergence": divergence, "bytes_sent": all_reduce_bytes_sent(sent, self.world_size)}
+
+    def _overlapped_sync(self) -> dict[str, Any]:
+        """Apply the exchange started one period ago (waiting only if it is still running), start the next."""
+        started = time.perf_counter()
+        report: dict[str, Any] = {}
+        hidden = 0.0
+        if self.exchange is not None:
+            hidden = max(0.0, min(self.exchange.finished, started) - self.exchange.launched)
+            report = self._land()
+        report["bytes_sent"] = self._start_exchange()
+        self.steps_since_sync = 0
+        report["comm_s"] = time.perf_counter() - started
+        report["comm_total_s"] = report["comm_s"] + hidden
+        return report
+
+    def _start_exchange(self) -> int:
+        snapshot = flatten(self.parameters)
+        summed = encode_weights(snapshot, self.global_weights, WIRE_DTYPES[self.settings.wire_dtype],
+                                self.world_size)
+        work = collectives.start_all_reduce(summed)
+        self.exchange = _Exchange(work, summed, self.global_weights, snapshot, time.perf_counter())
+        work.get_future().add_done_callback(self.exchange.note_finished)
+        return all_reduce_bytes_sent(summed.numel() * summed.element_size(), self.world_size)
+
+    def _arrived(self) -> torch.Tensor:
+        """The workers' mean weights of the exchange in flight, waiting for it if it is still running."""
+        exchange = self.exchange
+        if exchange.average is None:
+            collectives.wait(exchange.work)
+            exchange.average = decode_average(exchange.summed, exchange.base, self.world_size)
+        return exchange.average
+
+    def _land(self) -> dict[str, Any]:
+        """Apply the exchange in flight: new global weights, and each worker keeps its progress since."""
+        average = self._arrived()
+        exchange, self.exchange = self.exchange, None
+        assert exchange.base is self.global_weights  # nothing moves the global weights while one is in flight
+        divergence = relative_divergence(exchange.snapshot, average)
+        self.global_weights, self.outer_buffer = self._outer_step(average)
+        local = delayed_apply(flatten(self.parameters), exchange.snapshot, self.global_weights)
+        unflatten_into(local, [p.data for p in self.parameters])
+        return {"divergence": divergence}
+
+    def _outer_step(self, average: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return outer_step(self.global_weights, average, self.outer_buffer, self.settings.outer_lr,
+                          self.settings.outer_momentum)

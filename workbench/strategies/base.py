@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import collectives
-from ..averaging import flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
+from ..averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
 from ..errors import ConfigError
 from ..job import make_optimizer
 
@@ -174,3 +174,9 @@ def check_positive_int(parameter: str, value: Any) -> None:
 def check_positive_number(parameter: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(parameter, value, "a finite number > 0")
+
+
+def check_wire_dtype(parameter: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in WIRE_DTYPES:
+        raise ConfigError(parameter, value, f"one of {list(WIRE_DTYPES)}",
+                          "fp16 and bf16 halve the bytes on the wire; float32 is exact")
