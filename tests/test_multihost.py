@@ -145,7 +145,12 @@ def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path
     victim = addresses[2]
     os.kill(all_workers.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
     killed = time.time()
-    assert run.wait(120) == "finished"
+    try:
+        assert run.wait(120) == "finished"
+    finally:  # shown when the test fails: who was lost, left or failed, and when
+        print("membership after the kill:", [(e["kind"], round(e["time"] - killed, 2), e.get("worker"), e.get("reason"))
+                                             for e in run.events() if e["kind"] in ("worker-lost", "worker-left",
+                                                                                  "worker-failed", "regrouped")])
     regrouped = run.events("regrouped")
     assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [victim]
     assert regrouped[0]["time"] - killed < 5  # noticed across hosts at once, not after the 60 s timeout
