@@ -206,18 +206,18 @@ class Average(Strategy):
         """Apply the exchange started one period ago (waiting only if it is still running), start the next."""
         started = time.perf_counter()
         report: dict[str, Any] = {}
-        hidden = 0.0
+        hidden, weights = 0.0, None
         if self.exchange is not None:
             hidden = max(0.0, min(self.exchange.finished, started) - self.exchange.launched)
-            report = self._land()
-        report["bytes_sent"] = self._start_exchange()
+            report["divergence"], weights = self._land()
+        report["bytes_sent"] = self._start_exchange(flatten(self.parameters) if weights is None else weights)
         self.steps_since_sync = 0
         report["comm_s"] = time.perf_counter() - started
         report["comm_total_s"] = report["comm_s"] + hidden
         return report
 
-    def _start_exchange(self) -> int:
-        snapshot = flatten(self.parameters)
+    def _start_exchange(self, snapshot: torch.Tensor) -> int:
+        """Start the all-reduce of this worker's weights `snapshot` (flat, kept unchanged until it lands)."""
         summed = encode_weights(snapshot, self.global_weights, WIRE_DTYPES[self.settings.wire_dtype],
                                 self.world_size)
         work = collectives.start_all_reduce(summed)
@@ -233,8 +233,9 @@ class Average(Strategy):
             exchange.average = decode_average(exchange.summed, exchange.base, self.world_size)
         return exchange.average
 
-    def _land(self) -> dict[str, Any]:
-        """Apply the exchange in flight: new global weights, and each worker keeps its progress since."""
+    def _land(self) -> tuple[float, torch.Tensor]:
+        """Apply the exchange in flight: new global weights, and each worker keeps its progress since.
+        Returns the divergence of the weights it was started from, and the weights now (flat)."""
         average = self._arrived()
         exchange, self.exchange = self.exchange, None
         assert exchange.base is self.global_weights  # nothing moves the global weights while one is in flight
@@ -242,7 +243,7 @@ class Average(Strategy):
         self.global_weights, self.outer_buffer = self._outer_step(average)
         local = delayed_apply(flatten(self.parameters), exchange.snapshot, self.global_weights)
         unflatten_into(local, [p.data for p in self.parameters])
-        return {"divergence": divergence}
+        return divergence, local
 
     def _outer_step(self, average: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return outer_step(self.global_weights, average, self.outer_buffer, self.settings.outer_lr,
