@@ -202,8 +202,10 @@ def break_process_group() -> bool:
 
 def _tcp_sockets(exclude_ports: set[int] = frozenset()) -> list[int]:
     try:
+        # Never gloo's listener: shutting it down made gloo's accept fail with EINVAL and terminate the
+        # worker process (seen under load while a survivor's group was broken after a kill).
         return [c.fd for c in psutil.Process().net_connections(kind="tcp")
-                if c.fd >= 0 and not (c.raddr and c.raddr.port in exclude_ports)]
+                if c.fd >= 0 and c.status != psutil.CONN_LISTEN and not (c.raddr and c.raddr.port in exclude_ports)]
     except psutil.Error:
         return []
 
