@@ -318,6 +318,7 @@ class Cells:
         self.lab, self.client, self.arguments, self.scratch = lab, client, arguments, scratch
         self.counter = 0
         self.condition = "unlimited"  # what the next cell measures under
+        self.restarted: list[dict[str, Any]] = []  # workers started again after theirs was lost
         worker_hosts = [i for i in range(1, lab.size)]
         self.worker_hosts = worker_hosts
         self.host_of_address = {}
@@ -409,6 +410,7 @@ class Cells:
         # The training split only: no held-out evaluations on worker 0 inside the window.
         data = synthetic(n_samples=N_SAMPLES, n_features=784).train
         job = workbench.Job(model=workbench.mlp(784, 10, HIDDEN), data=data, batch_size=BATCH, steps=10**7, lr=LR)
+        self.ensure_workers()
         began = time.time()
         # Started on the full link (the first weights cross it at start-up: seconds at 20 Mbit/s that
         # measure nothing); the condition's rate is set once every worker has stepped, and the warm-up
@@ -423,8 +425,9 @@ class Cells:
         finally:
             stopping = time.time()
             self._finish(run)
-        if "error" in window:
-            return window
+        trouble = self._trouble(run)
+        if "error" in window or trouble:
+            return {"error": window.get("error") or trouble}
         overheads = {"start_s": window["window"][0] - began, "stop_s": time.time() - stopping}
         started, ended = window["window"]
         rates, inside = window_steps(run.metrics, started, ended)
@@ -483,6 +486,30 @@ class Cells:
                 return {"window": (started, time.time())}
             time.sleep(0.05)
 
+    def ensure_workers(self) -> None:
+        """One Dask worker on every worker host before a cell: a worker whose connection to the scheduler
+        broke ends its `dask worker` process (its nanny closes too); start a new one there, and say so."""
+        for entry in [e for e in self.lab.processes if e[1].poll() is not None]:
+            self.lab.processes.remove(entry)  # ended: never signalled again (its id may be reused)
+        present = {self.host_of_address.get(address.split("//")[-1].rsplit(":", 1)[0])
+                   for address in self.client.scheduler_info()["workers"]}
+        for host in self.worker_hosts:
+            if host not in present:
+                print(f"  the worker on host {host} is gone: starting a new one (logs in {self.lab.logs})", flush=True)
+                self.restarted.append({"host": host, "time": time.time()})
+                self.lab.start_worker(host)
+        self.client.wait_for_workers(len(self.worker_hosts), timeout=self.arguments.start_timeout_s)
+
+    def _trouble(self, run: Any) -> str | None:
+        """Why a run's numbers do not count: it trained on fewer workers than there are worker hosts, or
+        lost or regrouped workers (named with what the run recorded)."""
+        events = [e for e in run.events() if e.get("kind") in ("worker-lost", "regrouped", "worker-failed")]
+        if len(run.worker_addresses) == len(self.worker_hosts) and not events:
+            return None
+        told = "; ".join(f"{e['kind']}: {e.get('reason') or e.get('error') or e.get('address') or ''}"
+                         for e in events)[:600]
+        return f"the run had {len(run.worker_addresses)} of {len(self.worker_hosts)} workers ({told or 'no events'})"
+
     def _wait_past(self, run: Any, moment: float) -> None:
         """Until every worker has recorded a step that ended after `moment` (the window's end)."""
         deadline = time.monotonic() + self.arguments.start_timeout_s
@@ -534,6 +561,7 @@ class Cells:
         from workbench.strategies import suggested_sgd
 
         sgd = suggested_sgd(strategy)
+        self.ensure_workers()
         job = workbench.Job(model=workbench.mlp(*TARGET_MODEL), data="digits", batch_size=BATCH, epochs=100_000,
                             eval_every=EVAL_EVERY, seed=0, **sgd)
         run = workbench.train(job, strategy, client=self.client, run_dir=self.scratch / "runs",
@@ -552,6 +580,9 @@ class Cells:
         finally:
             self._finish(run)
         frame, evaluations = run.metrics, _evaluations(run)
+        trouble = self._trouble(run)
+        if trouble:
+            return {"error": trouble, **sgd}
         if frame.empty:
             return {"error": f"no step was recorded ({run.status}: {run.error})", **sgd}
         first = frame.loc[frame["time"].idxmin()]
@@ -879,12 +910,15 @@ def main() -> None:
     plain: list[dict[str, Any]] = []
     time_to_target: dict[str, Any] = {}
     target_runs: list[dict[str, Any]] = []
+    restarted: list[dict[str, Any]] = []
+    lab_logs = None
     started = time.time()
     try:
         with labs.Lab(hosts=3) as lab:
             lab.start_cluster()
             client = lab.connect(workers=2)
             bench = Cells(lab, client, arguments, scratch)
+            restarted, lab_logs = bench.restarted, str(lab.logs)  # the list fills as the cells go
             bench.start_ddp()
             for repeat in range(arguments.repeats):
                 forward = repeat % 2 == 0
@@ -940,6 +974,7 @@ def main() -> None:
                              "target_task": "digits, MLP 64-1024-1024-10, eval every 5 steps on worker 0",
                              "target_rate": TARGET_RATE, "quick": arguments.quick},
                 **result, "skipped_notes": skipped, "configs": {n: {"strategy": s, "settings": k} for n, s, k in configs},
+                "workers_restarted": restarted, "lab_logs": lab_logs,
                 "table": table, "time_to_target": time_to_target, "plain": plain, "cells": cells,
                 "time_to_target_runs": target_runs}
     # A quick smoke run is kept only when given a label of its own.
