@@ -9,12 +9,16 @@ of host 1). PyTorch DDP runs on the same two worker hosts (one process each, glo
 GLOO_SOCKET_IFNAME=eth0, rank 0's address as MASTER_ADDR); the plain single-process loop runs alone on
 host 1 for reference.
 
-Every cell is time-boxed: a warm-up (until every worker has done `--warmup-steps` steps or
-`--warmup-s` seconds have passed), then a window of `--window-s` seconds, then `run.stop()`.
-Throughput counts step records inside the window only: per worker, the samples of its steps that ended
-in the window over the time from its last step before the window to its last step in it; the total is
-the sum over workers and the slowest worker is reported beside it (with one parameter-server shard the
-worker beside it runs nearly alone while the one across the link starves). Repetitions interleave
+Every cell is time-boxed, not a fixed number of steps: the run starts on the full link, the condition's
+rate is set once every worker has stepped, then a warm-up (at least one exchange cycle of every worker,
+and `--warmup-steps` steps or `--warmup-s` seconds), then a window of `--window-s` seconds (longer
+where needed to hold two exchange cycles of every worker, at most `--max-window-s`), then `run.stop()`.
+Throughput counts step records only (`window_steps`): per worker, the samples of the whole steps that
+cover the window over their span, from its last step ending before the window to its first ending after
+it; the total is the sum over workers and the slowest worker is reported beside it (with one
+parameter-server shard the worker beside it runs nearly alone while the one across the link starves).
+Once measured, a cell lifts the link limit before `run.stop()`, so the end of the run (final exchange,
+weights and checkpoint) does not cost minutes at 20 Mbit/s. Repetitions interleave
 (conditions and configurations in reverse order on every other repetition); tables show medians.
 
 Then the time to a held-out accuracy target on `digits` with an MLP 64-1024-1024-10 (1.13M parameters,
@@ -47,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 HERE = Path(__file__).resolve()
@@ -138,9 +143,9 @@ def _serve_ddp_windows(spec: dict[str, Any]) -> None:
         if order.get("stop"):
             return
         result = _ddp_window(state, order)
-        out = Path(f"{order['out']}.{spec['rank']}")
-        out.with_suffix(".tmp").write_text(json.dumps(result))
-        out.with_suffix(".tmp").rename(out)
+        out, partial = Path(f"{order['out']}.{spec['rank']}"), Path(f"{order['out']}.{spec['rank']}.partial")
+        partial.write_text(json.dumps(result))
+        partial.rename(out)  # the benchmark never reads a half-written result
         number += 1
         idle_since = time.monotonic()
 
@@ -312,6 +317,8 @@ class Cells:
     def __init__(self, lab: Any, client: Any, arguments: argparse.Namespace, scratch: Path) -> None:
         self.lab, self.client, self.arguments, self.scratch = lab, client, arguments, scratch
         self.counter = 0
+        self.condition = "unlimited"  # what the next cell measures under
+        self.restarted: list[dict[str, Any]] = []  # workers started again after theirs was lost
         worker_hosts = [i for i in range(1, lab.size)]
         self.worker_hosts = worker_hosts
         self.host_of_address = {}
@@ -403,24 +410,32 @@ class Cells:
         # The training split only: no held-out evaluations on worker 0 inside the window.
         data = synthetic(n_samples=N_SAMPLES, n_features=784).train
         job = workbench.Job(model=workbench.mlp(784, 10, HIDDEN), data=data, batch_size=BATCH, steps=10**7, lr=LR)
+        self.ensure_workers()
         began = time.time()
+        # Started on the full link (the first weights cross it at start-up: seconds at 20 Mbit/s that
+        # measure nothing); the condition's rate is set once every worker has stepped, and the warm-up
+        # runs under it.
+        self.lab.set_rate(None)
         run = workbench.train(job, strategy, client=self.client, run_dir=self.scratch / "runs",
                               checkpoint_every_s=None, **settings)
         try:
-            window = self._time_box(run)
+            window = self._time_box(run, cycle_steps(strategy, settings))
+            if "window" in window:
+                self._wait_past(run, window["window"][1])
         finally:
             stopping = time.time()
             self._finish(run)
-        if "error" in window:
-            return window
+        trouble = self._trouble(run)
+        if "error" in window or trouble:
+            return {"error": window.get("error") or trouble}
         overheads = {"start_s": window["window"][0] - began, "stop_s": time.time() - stopping}
         started, ended = window["window"]
-        frame = run.metrics
-        rates = window_rates(frame, started, ended)
-        inside = frame[(frame["time"] > started) & (frame["time"] <= ended)]
+        rates, inside = window_steps(run.metrics, started, ended)
         record: dict[str, Any] = {"samples_per_s": sum(rates.values()), "per_worker": rates,
                                   "slowest_worker_samples_per_s": min(rates.values()) if rates else 0.0,
                                   "steps": {int(w): int(n) for w, n in inside.groupby("worker").size().items()},
+                                  "span_s": {int(w): float(rows["time"].max() - started)
+                                             for w, rows in inside.groupby("worker")},
                                   "time_split": time_split(inside), "hosts": self._hosts(run), **overheads}
         communication = communication_summary(inside)
         for key in ("bytes_sent_per_step", "bytes_received_per_step", "bytes_per_worker", "comm_hidden_fraction"):
@@ -433,32 +448,82 @@ class Cells:
             record["staleness_mean"] = staleness["mean"]
         return record
 
-    def _time_box(self, run: Any) -> dict[str, Any]:
-        """Warm-up, then the window; returns {'window': (start, end)} in wall-clock seconds."""
+    def _time_box(self, run: Any, cycle: int) -> dict[str, Any]:
+        """Warm-up, then the window; returns {'window': (start, end)} in wall-clock seconds.
+
+        A strategy that exchanges every `cycle` steps trains in bursts between exchanges; on a slow link
+        one burst and wait can outlast the window. So the warm-up lasts at least one cycle (the first
+        exchange under the condition is behind it), and the window at least two cycles of every worker
+        (a rate taken over a fraction of a cycle says more about where it fell than about the strategy),
+        up to --max-window-s."""
         a = self.arguments
         workers = len(run.worker_addresses)
         deadline = time.monotonic() + a.start_timeout_s
-        first_seen = None
+        applied, at_apply = None, {}
         while True:
             if run.done:
                 return {"error": f"the run ended during warm-up ({run.status}): {run.error}"}
             latest = run.table.last_steps()
-            if len(latest) == workers:
-                first_seen = first_seen or time.monotonic()
-                if (min(r["step"] for r in latest.values()) + 1 >= a.warmup_steps
-                        or time.monotonic() - first_seen >= a.warmup_s):
+            if len(latest) == workers and applied is None:
+                set_condition(self.lab, self.condition)
+                applied, at_apply = time.monotonic(), {w: r["step"] for w, r in latest.items()}
+            elif applied is not None:
+                done = min(latest[w]["step"] - at_apply[w] for w in at_apply)
+                if done > cycle and (done >= a.warmup_steps or time.monotonic() - applied >= a.warmup_s):
                     break
             if time.monotonic() > deadline:
-                return {"error": f"not every worker stepped within {a.start_timeout_s:g} s"}
+                return {"error": f"the warm-up did not end within {a.start_timeout_s:g} s"}
             time.sleep(0.05)
         started = time.time()
-        while time.time() - started < a.window_s:
+        at_start = {w: r["step"] for w, r in run.table.last_steps().items()}
+        while True:
             if run.done:
                 return {"error": f"the run ended inside the window ({run.status}): {run.error}"}
+            elapsed = time.time() - started
+            latest = run.table.last_steps()
+            cycles_done = all(latest[w]["step"] - at_start[w] >= 2 * cycle for w in at_start)
+            if elapsed >= a.max_window_s or (elapsed >= a.window_s and cycles_done):
+                return {"window": (started, time.time())}
             time.sleep(0.05)
-        return {"window": (started, time.time())}
+
+    def ensure_workers(self) -> None:
+        """One Dask worker on every worker host before a cell: a worker whose connection to the scheduler
+        broke ends its `dask worker` process (its nanny closes too); start a new one there, and say so."""
+        for entry in [e for e in self.lab.processes if e[1].poll() is not None]:
+            self.lab.processes.remove(entry)  # ended: never signalled again (its id may be reused)
+        present = {self.host_of_address.get(address.split("//")[-1].rsplit(":", 1)[0])
+                   for address in self.client.scheduler_info()["workers"]}
+        for host in self.worker_hosts:
+            if host not in present:
+                print(f"  the worker on host {host} is gone: starting a new one (logs in {self.lab.logs})", flush=True)
+                self.restarted.append({"host": host, "time": time.time()})
+                self.lab.start_worker(host)
+        self.client.wait_for_workers(len(self.worker_hosts), timeout=self.arguments.start_timeout_s)
+
+    def _trouble(self, run: Any) -> str | None:
+        """Why a run's numbers do not count: it trained on fewer workers than there are worker hosts, or
+        lost or regrouped workers (named with what the run recorded)."""
+        events = [e for e in run.events() if e.get("kind") in ("worker-lost", "regrouped", "worker-failed")]
+        if len(run.worker_addresses) == len(self.worker_hosts) and not events:
+            return None
+        told = "; ".join(f"{e['kind']}: {e.get('reason') or e.get('error') or e.get('address') or ''}"
+                         for e in events)[:600]
+        return f"the run had {len(run.worker_addresses)} of {len(self.worker_hosts)} workers ({told or 'no events'})"
+
+    def _wait_past(self, run: Any, moment: float) -> None:
+        """Until every worker has recorded a step that ended after `moment` (the window's end)."""
+        deadline = time.monotonic() + self.arguments.start_timeout_s
+        workers = len(run.worker_addresses)
+        while time.monotonic() < deadline and not run.done:
+            latest = run.table.last_steps()
+            if len(latest) == workers and all(r["time"] >= moment for r in latest.values()):
+                return
+            time.sleep(0.05)
 
     def _finish(self, run: Any) -> None:
+        # Measured already: the end of the run (the final exchange, weights and checkpoint across the
+        # link, 10-25 s at 20 Mbit/s) goes at the full rate. The next cell sets its condition again.
+        self.lab.set_rate(None)
         run.stop()
         try:
             run.wait(timeout=120)
@@ -496,6 +561,7 @@ class Cells:
         from workbench.strategies import suggested_sgd
 
         sgd = suggested_sgd(strategy)
+        self.ensure_workers()
         job = workbench.Job(model=workbench.mlp(*TARGET_MODEL), data="digits", batch_size=BATCH, epochs=100_000,
                             eval_every=EVAL_EVERY, seed=0, **sgd)
         run = workbench.train(job, strategy, client=self.client, run_dir=self.scratch / "runs",
@@ -514,6 +580,9 @@ class Cells:
         finally:
             self._finish(run)
         frame, evaluations = run.metrics, _evaluations(run)
+        trouble = self._trouble(run)
+        if trouble:
+            return {"error": trouble, **sgd}
         if frame.empty:
             return {"error": f"no step was recorded ({run.status}: {run.error})", **sgd}
         first = frame.loc[frame["time"].idxmin()]
@@ -523,6 +592,16 @@ class Cells:
                       for _, r in evaluations.iterrows()] if not evaluations.empty else []
         return {"seconds": float(hit["time"] - origin) if hit is not None else None,
                 "steps": int(hit["step"]) if hit is not None else None, "evaluations": trajectory, **sgd}
+
+
+def cycle_steps(strategy: str, settings: dict[str, Any]) -> int:
+    """Steps between a worker's exchanges: its period, or the longer of push_every and fetch_every."""
+    from workbench.strategies import make_settings
+
+    values = make_settings(strategy, settings)
+    push = getattr(values, "push_every", 1)
+    fetch = getattr(values, "fetch_every", None) or push
+    return max(1, getattr(values, "period", 1), push, fetch)
 
 
 WIRE_BYTES = {"float32": 4, "fp32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
@@ -547,21 +626,24 @@ def _evaluations(run: Any) -> Any:
     return evaluations() if callable(evaluations) else evaluations
 
 
-def window_rates(frame: Any, started: float, ended: float) -> dict[int, float]:
-    """Samples/s of each worker inside [started, ended] from its step records only: the samples of its
-    steps that ended inside the window, over the time from its last step before the window (or its
-    first step inside it) to its last step inside it. A worker with no complete step inside has 0."""
+def window_steps(frame: Any, started: float, ended: float) -> tuple[dict[int, float], Any]:
+    """Each worker's samples/s over the window [started, ended], from its step records only, and the
+    records counted. A worker's span runs from its last step ending at or before `started` to its first
+    step ending at or after `ended` (its last one when the run stopped first): whole steps covering the
+    window, so a worker that trains in bursts between long waits (a parameter-server exchange across a
+    slow link) is charged for the wait it is in at either end, and one slower than the window still
+    gets a rate. Its samples/s are the samples of the steps after the first over that span."""
     rates: dict[int, float] = {}
+    counted_rows = []
     for worker, rows in frame.sort_values("time").groupby("worker"):
-        before = rows[rows["time"] <= started]
-        inside = rows[(rows["time"] > started) & (rows["time"] <= ended)]
-        if before.empty:
-            origin, counted = (inside["time"].iloc[0] if len(inside) else None), inside.iloc[1:]
-        else:
-            origin, counted = before["time"].iloc[-1], inside
-        span = inside["time"].iloc[-1] - origin if len(inside) and origin is not None else 0.0
-        rates[int(worker)] = float(counted["samples"].sum() / span) if span > 0 and len(counted) else 0.0
-    return rates
+        times = rows["time"]
+        before, after = rows[times <= started], rows[times >= ended]
+        origin = before["time"].iloc[-1] if len(before) else times.iloc[0]
+        until = after["time"].iloc[0] if len(after) else times.iloc[-1]
+        counted = rows[(times > origin) & (times <= until)]
+        counted_rows.append(counted)
+        rates[int(worker)] = float(counted["samples"].sum() / (until - origin)) if until > origin else 0.0
+    return rates, (pd.concat(counted_rows) if counted_rows else frame.iloc[:0])
 
 
 # --- conditions, repetitions, the table -----------------------------------------------------------------------
@@ -765,6 +847,8 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the grid (interleaved)")
     parser.add_argument("--window-s", type=float, default=8.0, help="steady seconds measured per cell")
+    parser.add_argument("--max-window-s", type=float, default=40.0,
+                        help="a window lasts at least two exchange cycles of every worker, at most this long")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="warm-up ends after this long ...")
     parser.add_argument("--warmup-steps", type=int, default=10, help="... or when every worker did this many steps")
     parser.add_argument("--rates", default=",".join(RATES),
@@ -826,12 +910,15 @@ def main() -> None:
     plain: list[dict[str, Any]] = []
     time_to_target: dict[str, Any] = {}
     target_runs: list[dict[str, Any]] = []
+    restarted: list[dict[str, Any]] = []
+    lab_logs = None
     started = time.time()
     try:
         with labs.Lab(hosts=3) as lab:
             lab.start_cluster()
             client = lab.connect(workers=2)
             bench = Cells(lab, client, arguments, scratch)
+            restarted, lab_logs = bench.restarted, str(lab.logs)  # the list fills as the cells go
             bench.start_ddp()
             for repeat in range(arguments.repeats):
                 forward = repeat % 2 == 0
@@ -839,12 +926,13 @@ def main() -> None:
                 plain.append(measured(bench.plain, repeat=repeat, config="plain", condition="unlimited"))
                 print(f"repeat {repeat + 1}: plain loop {_fmt(plain[-1].get('samples_per_s'))} samples/s", flush=True)
                 for condition in conditions if forward else conditions[::-1]:
-                    set_condition(lab, condition)
                     order = [("ddp", "ddp", {})] + [c for c in configs if condition != STRAGGLER
                                                      or arguments.all_straggler or c[0] in straggler_configs]
                     for name, strategy, settings in order if forward else order[::-1]:
                         cell = bench.ddp if strategy == "ddp" else (
                             lambda s=strategy, k=settings: bench.workbench(s, k))
+                        set_condition(lab, condition)
+                        bench.condition = condition
                         record = measured(cell, repeat=repeat, config=name, condition=condition)
                         cells.append(record)
                         shown = record.get("error") or (
@@ -878,13 +966,15 @@ def main() -> None:
                   skipped=[s.split(":")[0] for s in skipped])
     document = {"date": datetime.date.today().isoformat(), "machine": machine(),
                 "settings": {"repeats": arguments.repeats, "window_s": arguments.window_s,
-                             "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
+                             "max_window_s": arguments.max_window_s, "warmup_s": arguments.warmup_s,
+                             "warmup_steps": arguments.warmup_steps,
                              "conditions": conditions, "straggler": f"host {STRAGGLER_HOST} at {STRAGGLER_SHARE} core, "
                              f"host 1 at {OTHER_SHARE}, unlimited link", "batch_per_worker": BATCH, "lr": LR,
                              "model": "MLP 784-1024-1024-10", "target": arguments.target,
                              "target_task": "digits, MLP 64-1024-1024-10, eval every 5 steps on worker 0",
                              "target_rate": TARGET_RATE, "quick": arguments.quick},
                 **result, "skipped_notes": skipped, "configs": {n: {"strategy": s, "settings": k} for n, s, k in configs},
+                "workers_restarted": restarted, "lab_logs": lab_logs,
                 "table": table, "time_to_target": time_to_target, "plain": plain, "cells": cells,
                 "time_to_target_runs": target_runs}
     # A quick smoke run is kept only when given a label of its own.
@@ -906,7 +996,6 @@ def measure_time_to_target(lab: Any, bench: Cells, configs: list[tuple[str, str,
             chosen[strategy] = (name, settings, rate)
         elif rate is not None and (chosen[strategy][2] is None or rate > chosen[strategy][2]):
             chosen[strategy] = (name, settings, rate)
-    set_condition(lab, TARGET_RATE)
     runs: list[dict[str, Any]] = []
     order = [("ddp", "ddp", {})] + [(name, strategy, settings) for strategy, (name, settings, _) in chosen.items()]
     for repeat in range(arguments.target_repeats):
@@ -916,6 +1005,7 @@ def measure_time_to_target(lab: Any, bench: Cells, configs: list[tuple[str, str,
             else:
                 cell = lambda s=strategy, k=settings: bench.workbench_to_target(  # noqa: E731
                     s, k, arguments.target, arguments.target_max_s)
+            set_condition(lab, TARGET_RATE)
             record = measured(cell, repeat=repeat, config=name, condition=TARGET_RATE)
             runs.append(record)
             shown = record.get("error") or (f"{record['seconds']:.1f} s, {record['steps']} steps"
