@@ -47,7 +47,7 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
             "training on it. Wait for that run to end or start this one on other workers."
         )
     timeout = datetime.timedelta(seconds=timeout_s)
-    chosen = bind_to_interface_of(own_host)
+    bound = bind_to_interface_of(own_host)
     before = _tcp_sockets()
     try:
         try:
@@ -58,7 +58,8 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
                 f"within {timeout_s:g} s: {type(error).__name__}: {error}. A firewall between the workers' "
                 f"hosts must let TCP through on any port; the workers' Dask connections alone are not enough"
             ) from error
-        check_reachable(store, rank, world_size, advertised_address(), min(timeout_s, PROBE_TIMEOUT_S), chosen)
+        check_reachable(store, rank, world_size, advertised_address(), min(timeout_s, PROBE_TIMEOUT_S),
+                        bound_here="GLOO_SOCKET_IFNAME" in bound)
         dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     except BaseException:
@@ -69,7 +70,8 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
             dist.distributed_c10d._world.group_count = 0
         raise
     finally:
-        _restore_interface(chosen)
+        for variable in bound:
+            os.environ.pop(variable, None)
     # What the group opened: new sockets, less any Dask opened meanwhile to its servers (`dask_ports`).
     _group_sockets[:] = sorted(set(_tcp_sockets(exclude_ports=set(dask_ports))) - set(before))
 
@@ -95,24 +97,16 @@ def interface_holding(address: str) -> str | None:
     return None
 
 
-def bind_to_interface_of(own_host: str | None) -> dict[str, str | None]:
-    """Point gloo and NCCL at the interface holding `own_host`, unless the user named one; returns what
-    to put back afterwards (the variables are read when the group is built, and the worker outlives the run)."""
+def bind_to_interface_of(own_host: str | None) -> list[str]:
+    """Point gloo and NCCL at the interface holding `own_host`, unless the user named one; returns the
+    variables it set, to remove once the group is built (they are read then, and the worker outlives the run)."""
     interface = interface_holding(own_host) if own_host else None
-    changed: dict[str, str | None] = {}
-    for variable in SOCKET_IFNAME_VARIABLES:
-        if interface is not None and variable not in os.environ:
-            changed[variable] = None
-            os.environ[variable] = interface
-    return changed
-
-
-def _restore_interface(changed: dict[str, str | None]) -> None:
-    for variable, value in changed.items():
-        if value is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = value
+    if interface is None:
+        return []
+    bound = [variable for variable in SOCKET_IFNAME_VARIABLES if variable not in os.environ]
+    for variable in bound:
+        os.environ[variable] = interface
+    return bound
 
 
 def advertised_address() -> str:
@@ -129,7 +123,7 @@ def advertised_address() -> str:
 
 
 def check_reachable(store: Any, rank: int, world_size: int, address: str, timeout_s: float,
-                    chosen: dict[str, str | None]) -> None:
+                    bound_here: bool) -> None:
     """Every rank listens on its advertised address and connects to every other's, then all ranks read
     every rank's findings from the store and raise the same error if any pair failed."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
@@ -158,7 +152,7 @@ def check_reachable(store: Any, rank: int, world_size: int, address: str, timeou
             store.wait([f"workbench/read/{peer}" for peer in range(world_size)])
         interface = os.environ.get("GLOO_SOCKET_IFNAME")
         how = (f"gloo was bound to interface {interface}, the one holding this worker's Dask address"
-               if "GLOO_SOCKET_IFNAME" in chosen else f"GLOO_SOCKET_IFNAME={interface} is set on this worker"
+               if bound_here else f"GLOO_SOCKET_IFNAME={interface} is set on this worker"
                if interface else "gloo advertises the address this machine's hostname resolves to")
         raise GroupFormationError(
             f"the process group cannot form: {'; '.join(problems[:4])}"

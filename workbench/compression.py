@@ -87,7 +87,7 @@ def encode(vector: torch.Tensor, kind: str, topk_ratio: float = 0.01, threshold_
     if kind == "topk":
         k = max(1, math.ceil(topk_ratio * numel))
         indices = largest_magnitudes(vector, k)
-        return Packet("topk", numel, vector[indices].clone(), indices.int())
+        return Packet("topk", numel, vector[indices], indices.int())  # advanced indexing copies already
     if kind == "threshold":
         tau = power_of_two(threshold_tau)
         indices = torch.nonzero(vector.abs() >= tau).reshape(-1)

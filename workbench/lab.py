@@ -38,7 +38,7 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 CPU_PERIOD_US = 100_000
 CLONE_NEWNET = 0x40000000
 SCHEDULER_PORT = 8786
-RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
+RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 START_TIMEOUT_S = 60.0
 
 
@@ -65,10 +65,10 @@ def available() -> str | None:
 
 def rate_bytes_per_s(rate: str) -> float:
     """'100mbit' -> 12.5e6 (tc's units: k, m, g bits per second)."""
-    if not RATE.match(rate):
+    match = RATE.match(rate) if isinstance(rate, str) else None
+    if match is None:
         raise ValueError(f"rate={rate!r} is not allowed: expected a number and kbit, mbit or gbit, e.g. '100mbit'")
-    number, unit = float(re.match(r"[\d.]+", rate).group()), rate.lstrip("0123456789.")
-    return number * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8
+    return float(match.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)] / 8
 
 
 class Lab:

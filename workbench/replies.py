@@ -112,7 +112,9 @@ class ElasticMirrors:
         and return the pull the worker subtracts from its weights."""
         # A worker that never fetched holds the weights the server was made of, the center until the first
         # exchange (workers fetch at their start, so a center moved meanwhile is not mistaken for theirs).
-        mirror = self.mirrors.setdefault(worker, center.clone())
+        mirror = self.mirrors.get(worker)
+        if mirror is None:  # not setdefault: its default (a clone of the whole shard) would be made every call
+            mirror = self.mirrors[worker] = center.clone()
         add_decoded(mirror, packet)
         pull = elastic_pull(mirror, center, alpha)
         center += pull

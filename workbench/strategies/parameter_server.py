@@ -526,9 +526,9 @@ class ElasticAveraging(_ServerStrategy):
     def _apply(self, reply: Replies) -> int:
         # The pull, compressed when replies are: this worker and its mirror move by what was sent; the
         # rest stays in the distance to the center, which the next pull is computed from.
-        for part, packet in zip(self.server.split(self.mirror), reply.pull):
-            add_decoded(part, packet, alpha=-1.0)  # as the server's mirror does
-        pull = torch.cat([decode(packet) for packet in reply.pull]) if len(reply.pull) > 1 else decode(reply.pull[0])
+        # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit (tests/test_replies.py).
+        pull = torch.cat([decode(packet) for packet in reply.pull])
+        self.mirror -= pull
         for parameter, part in zip(self.parameters, _views(pull, self.parameters)):
             parameter.data.sub_(part)
         return reply.nbytes
