@@ -399,7 +399,7 @@ class Cells:
         per_worker = {rank: r["samples_per_s"] for rank, r in enumerate(results)}
         return {"samples_per_s": sum(per_worker.values()), "per_worker": per_worker,
                 "slowest_worker_samples_per_s": min(per_worker.values()), "steps": results[0]["steps"],
-                **collective_bytes("allreduce", {}, len(results))}
+                **ddp_bytes(len(results))}
 
     def workbench(self, strategy: str, settings: dict[str, Any]) -> dict[str, Any]:
         import workbench
@@ -441,8 +441,6 @@ class Cells:
         for key in ("bytes_sent_per_step", "bytes_received_per_step", "bytes_per_worker", "comm_hidden_fraction"):
             if key in communication:
                 record[key] = communication[key]
-        if "bytes_sent_per_step" not in record:
-            record.update(collective_bytes(strategy, settings, len(rates)))
         staleness = run.summary().get("staleness")
         if staleness:
             record["staleness_mean"] = staleness["mean"]
@@ -604,20 +602,13 @@ def cycle_steps(strategy: str, settings: dict[str, Any]) -> int:
     return max(1, getattr(values, "period", 1), push, fetch)
 
 
-WIRE_BYTES = {"float32": 4, "fp32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+def ddp_bytes(world_size: int) -> dict[str, Any]:
+    """Bytes each DDP rank sends (and receives) per step: a ring all-reduce of the float32 gradients.
+    The workbench's strategies report their own."""
+    from workbench.averaging import all_reduce_bytes_sent
 
-
-def collective_bytes(strategy: str, settings: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Bytes each worker sends (and receives) per step in a ring all-reduce of the whole model, for the
-    strategies whose records carry no byte counts (gloo's collectives): 2 (n-1)/n of the vector, every
-    step for `allreduce`, every `period` steps for `average` (twice with its optimizer state)."""
-    if strategy not in ("allreduce", "average") or world_size < 2:
-        return {}
     parameters = sum(p.numel() for p in _benchmark_model().parameters())
-    vector = parameters * WIRE_BYTES.get(str(settings.get("wire_dtype", "float32")), 4)
-    per_step = vector * 2 * (world_size - 1) / world_size
-    if strategy == "average":
-        per_step = per_step * (2 if settings.get("average_optimizer_state") else 1) / settings.get("period", 4)
+    per_step = all_reduce_bytes_sent(parameters * 4, world_size)
     return {"bytes_sent_per_step": per_step, "bytes_received_per_step": per_step, "bytes_estimated": True}
 
 
@@ -633,6 +624,8 @@ def window_steps(frame: Any, started: float, ended: float) -> tuple[dict[int, fl
     window, so a worker that trains in bursts between long waits (a parameter-server exchange across a
     slow link) is charged for the wait it is in at either end, and one slower than the window still
     gets a rate. Its samples/s are the samples of the steps after the first over that span."""
+    from workbench.metrics import throughput
+
     rates: dict[int, float] = {}
     counted_rows = []
     for worker, rows in frame.sort_values("time").groupby("worker"):
@@ -640,9 +633,10 @@ def window_steps(frame: Any, started: float, ended: float) -> tuple[dict[int, fl
         before, after = rows[times <= started], rows[times >= ended]
         origin = before["time"].iloc[-1] if len(before) else times.iloc[0]
         until = after["time"].iloc[0] if len(after) else times.iloc[-1]
-        counted = rows[(times > origin) & (times <= until)]
-        counted_rows.append(counted)
-        rates[int(worker)] = float(counted["samples"].sum() / (until - origin)) if until > origin else 0.0
+        span = rows[(times >= origin) & (times <= until)]
+        counted_rows.append(span[span["time"] > origin])
+        # The samples of the steps after the first over the span: metrics.throughput's own rule.
+        rates[int(worker)] = next(iter(throughput(span.to_dict("records"))["per_worker"].values()), 0.0)
     return rates, (pd.concat(counted_rows) if counted_rows else frame.iloc[:0])
 
 

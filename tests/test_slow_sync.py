@@ -70,6 +70,11 @@ def test_overlapped_average_trains_hides_its_exchange_and_ends_equal(client, run
         assert rows["divergence"].isna().tolist() == [True] + [False] * (len(rows) - 1)
         landed = rows.iloc[1:]
         assert (landed["comm_total_s"] > landed["comm_s"]).all()
+        # Most exchanges ended while the steps ran (their completion time is known before the sync that
+        # lands them), and then all of their time counts as hidden: no more, no less.
+        ended = landed.dropna(subset=["exchange_s"])
+        assert len(ended) >= len(landed) / 2, landed[["step", "comm_s", "comm_total_s", "exchange_s"]]
+        assert ((ended["comm_total_s"] - ended["comm_s"]) - ended["exchange_s"]).abs().max() < 1e-6
     assert run.summary()["comm_hidden_fraction"] > 0
 
 
@@ -173,14 +178,6 @@ def test_bad_slow_link_settings_are_refused_naming_them(parameter, strategy, val
     with pytest.raises(ConfigError) as caught:
         make_settings(strategy, values)
     assert caught.value.parameter == parameter and "expected" in str(caught.value)
-
-
-def test_the_slow_link_settings_are_live_except_the_bucket_size():
-    assert set(make_settings("average", {}).live) == {"period", "overlap", "wire_dtype", "outer_lr", "outer_momentum"}
-    assert make_settings("allreduce", {}).live == ("wire_dtype",)
-    defaults = make_settings("average", {})
-    assert (defaults.overlap, defaults.wire_dtype, defaults.outer_lr, defaults.outer_momentum) == (False, "float32", 1, 0)
-    assert make_settings("allreduce", {}).wire_dtype == "float32"
 
 
 def test_the_control_panel_form_offers_the_wire_dtypes_and_gives_every_setting_back():

@@ -192,9 +192,10 @@ def encode_weights(local: torch.Tensor, base: torch.Tensor, dtype: torch.dtype, 
 
 
 def decode_average(summed: torch.Tensor, base: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The workers' mean weights (float32, a new tensor) from the sum all-reduce of `encode_weights`."""
+    """The workers' mean weights (float32) from the sum all-reduce of `encode_weights`; a float32
+    `summed` becomes the mean in place."""
     if summed.dtype == torch.float32:
-        return summed / world_size
+        return summed.div_(world_size)  # in place: the wire buffer is used once
     return base - summed.float()
 
 
@@ -219,7 +220,7 @@ def outer_step(global_weights: torch.Tensor, average: torch.Tensor, momentum_buf
 
 
 def delayed_apply(local: torch.Tensor, snapshot: torch.Tensor, new_global: torch.Tensor) -> torch.Tensor:
-    """Delayed averaging: the weights a worker goes on with when an exchange it started at `snapshot`
+    """In place on `local`: delayed averaging: the weights a worker goes on with when an exchange it started at `snapshot`
     arrives one period late, while it trained on to `local`. new global + (local - snapshot).
 
     Correct because every worker's weights are always the common global weights plus its own progress
@@ -231,4 +232,4 @@ def delayed_apply(local: torch.Tensor, snapshot: torch.Tensor, new_global: torch
     Streaming DiLoCo's overlapped communication (Douillard et al. 2025) and the "naive delayed" variant
     of Kale, Douillard and Donchev 2025, whose "eager updates" refine it.
     """
-    return new_global + (local - snapshot)
+    return local.sub_(snapshot).add_(new_global)  # in place: callers pass a fresh flatten

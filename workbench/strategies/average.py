@@ -209,6 +209,8 @@ class Average(Strategy):
         hidden, weights = 0.0, None
         if self.exchange is not None:
             hidden = max(0.0, min(self.exchange.finished, started) - self.exchange.launched)
+            if self.exchange.finished <= started:  # it ended behind the steps: its own duration, all hidden
+                report["exchange_s"] = self.exchange.finished - self.exchange.launched
             report["divergence"], weights = self._land()
         report["bytes_sent"] = self._start_exchange(flatten(self.parameters) if weights is None else weights)
         self.steps_since_sync = 0
