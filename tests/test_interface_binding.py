@@ -9,7 +9,10 @@ from workbench import collectives
 @pytest.fixture
 def clean_environment(monkeypatch):
     for variable in collectives.SOCKET_IFNAME_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+        # Set, then deleted: monkeypatch records the variable only if it existed, and what the binding sets
+        # must not outlive the test (later processes started from this one would inherit it).
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
 
 
 def test_the_interface_holding_an_address_is_found_and_an_unknown_address_has_none():

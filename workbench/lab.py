@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from workbench.collectives import SOCKET_IFNAME_VARIABLES as HOST_LOCAL_VARIABLES
+
 NAME_PREFIX = "wbl"  # every lab's namespaces and cgroups start with this, then the owning process id
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 CPU_PERIOD_US = 100_000
@@ -194,8 +196,11 @@ class Lab:
         # too) is inside it from its first instruction.
         command = ["sh", "-c", f'echo $$ > {self.cgroup(host) / "cgroup.procs"} && exec "$@"', "lab",
                    "ip", "netns", "exec", self.hosts[host], *argv]
+        # An emulated host is another machine: the interface this one's processes were told to use (a
+        # GLOO_SOCKET_IFNAME set here) names nothing there, so it does not travel; `env` can set it.
+        inherited = {k: v for k, v in os.environ.items() if k not in HOST_LOCAL_VARIABLES}
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, **(env or {})})
+                                   env={**inherited, **(env or {})})
         log.close()
         self.processes.append((host, process))
         return process
