@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,11 +42,15 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
     rank's advertised address, so a group that cannot form fails at once on every rank with the address
     that could not be reached, instead of one rank waiting out the whole timeout.
     """
-    if dist.is_initialized():
-        raise TrainingError(
-            "this worker process already belongs to a torch.distributed process group: another run is "
-            "training on it. Wait for that run to end or start this one on other workers."
-        )
+    # Leases keep runs apart, but a worker is given back when its run's client is gone, while the
+    # worker's task is still leaving (at its next step): wait for it rather than fail the new run.
+    with _group_ended:
+        if not _group_ended.wait_for(lambda: not dist.is_initialized(), timeout=timeout_s):
+            raise TrainingError(
+                f"this worker process still belongs to another torch.distributed process group after "
+                f"{timeout_s:g} s: another run is training on it. Wait for that run to end or start this "
+                f"one on other workers."
+            )
     timeout = datetime.timedelta(seconds=timeout_s)
     bound = bind_to_interface_of(own_host)
     before = _tcp_sockets()
@@ -165,6 +170,11 @@ def destroy_process_group() -> None:
     _group_sockets.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+    with _group_ended:
+        _group_ended.notify_all()
+
+
+_group_ended = threading.Condition()  # notified when this process leaves its process group
 
 
 # The sockets the process group opened (gloo's connections to its peers and the store's), so that a group

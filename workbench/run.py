@@ -12,7 +12,7 @@ import getpass
 import importlib
 import json
 import math
-import queue
+from queue import Empty, SimpleQueue
 import threading
 import time
 import traceback
@@ -36,6 +36,7 @@ from .health import WARNING_KIND, LossWatch
 from .job import Job, PreparedJob, check_lr, loss_function
 from .metrics import (MetricsTable, communication_summary, control_markers, expand, staleness_summary, time_split,
                       topic)
+from .placement import Placement
 from .registry import CONTROL_ACTIONS, RUNS_TOPIC, requests_topic
 from .rundir import CONFIG_FILE, SUMMARY_FILE, RunDirectory, atomic_write, read_metrics
 from .sharding import assign_blocks, shard_size
@@ -84,11 +85,15 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
           run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
           start: bool = True, owner: str | None = None, checkpoint_every_steps: int | None = None,
           checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
-          **settings: Any) -> Run:
+          queue: bool = False, **settings: Any) -> Run:
     """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
 
     strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
-    workers: how many of the cluster's workers train (default: all).
+    workers: how many of the cluster's workers train (default: all). On a shared cluster a run takes
+    free workers only (those no other run holds); when too few are free it is refused at once, naming
+    who holds the others, unless `queue`.
+    queue: wait for enough free workers instead, first come first served: the run returns at once with
+    status 'queued' (its place in `run.queue_position`) and starts when its workers are free.
     run_dir: parent directory of the run's own directory (config, metrics, checkpoint, weights).
     collective_timeout_s: the longest any wait on another worker may take; a worker silent for longer is
     treated as lost.
@@ -105,7 +110,7 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
     run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
               collective_timeout_s=collective_timeout_s, settings=settings, owner=owner,
               checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_s=checkpoint_every_s,
-              min_workers=min_workers, auto_join=auto_join)
+              min_workers=min_workers, auto_join=auto_join, queue=queue)
     if start:
         run.start()
     return run
@@ -141,7 +146,7 @@ def resume(run_dir: str | Path, *, client: Client | None = None, workers: int | 
     torch.manual_seed(job.seed)
     checkpoints.check_matches_model(saved, job.model(), str(path / checkpoints.CHECKPOINT_FILE))
     known = {"collective_timeout_s", "checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
-             "owner"}
+             "owner", "queue"}
     for key in options:
         if key not in known:
             raise ConfigError(key, options[key], f"one of {', '.join(sorted(known))}",
@@ -167,7 +172,7 @@ class Run:
                  settings: dict[str, Any], step_delays: dict[int, float] | None = None,
                  owner: str | None = None, checkpoint_every_steps: int | None = None,
                  checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
-                 resume_from: dict[str, Any] | None = None) -> None:
+                 resume_from: dict[str, Any] | None = None, queue: bool = False) -> None:
         if owner is not None and (not isinstance(owner, str) or not owner.strip()):
             raise ConfigError("owner", owner, "a non-empty user name, or None for the operating-system user")
         self.owner = owner or _system_user()
@@ -183,6 +188,8 @@ class Run:
         self.checkpoint_every_s = checkpoint_every_s
         self.min_workers = min_workers
         self.auto_join = auto_join
+        self.queue = queue
+        self._placement: Placement | None = None  # the workers this run holds on the cluster
         self._resume_from = resume_from
         self.client = client
         self.table = MetricsTable()
@@ -201,11 +208,11 @@ class Run:
         self._ended = threading.Event()  # set once the run has ended and everything is written
         self._prepared: PreparedJob | None = None
         self._panel: Any = None  # the notebook control panel, made when the run is first displayed
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # control requests from other clients
-        self._ready_checkpoints: queue.SimpleQueue = queue.SimpleQueue()  # rank 0 has one to fetch
-        self._membership_changes: queue.SimpleQueue = queue.SimpleQueue()  # from the scheduler
+        self._requests: SimpleQueue = SimpleQueue()  # control requests from other clients
+        self._ready_checkpoints: SimpleQueue = SimpleQueue()  # rank 0 has one to fetch
+        self._membership_changes: SimpleQueue = SimpleQueue()  # from the scheduler
         self._loss_watch: LossWatch | None = None  # made once the run's length is known
-        self._warnings: queue.SimpleQueue = queue.SimpleQueue()  # the loss watch's, for the supervisor to publish
+        self._warnings: SimpleQueue = SimpleQueue()  # the loss watch's, for the supervisor to publish
         self.checkpoint_info: dict[str, Any] | None = None  # the newest checkpoint written: step, path, time
         self._latest_checkpoint: dict[str, Any] | None = resume_from
         self._lost: set[str] = set()  # addresses of the run's workers the scheduler removed
@@ -226,16 +233,42 @@ class Run:
         strategy_class = get_strategy(self.strategy)
         settings = make_settings(self.strategy, self._settings_values)
         self._check_fault_tolerance_options()
+        if not isinstance(self.queue, bool):
+            raise ConfigError("queue", self.queue, "True (wait for free workers) or False (refuse at once)")
         client = self.client = self._resolve_client(self.client)
-        addresses = self._choose_workers(client)
-        if self.min_workers > len(addresses):
-            raise ConfigError("min_workers", self.min_workers, f"at most {len(addresses)}, the run's workers")
-        strategy_class.check_world(settings, len(addresses))
-        self._check_batch_fits(prepared, addresses)
-
-        resumed = self._resume_from is not None
+        wanted = self._wanted_workers(client)
+        # Everything the number of workers decides is checked now, not after a wait in the queue.
+        if self.min_workers > wanted:
+            raise ConfigError("min_workers", self.min_workers, f"at most {wanted}, the run's workers")
+        strategy_class.check_world(settings, wanted)
+        self._check_batch_fits(prepared, wanted)
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
                                      f"{uuid.uuid4().hex[:6]}")
+        self._placement = Placement(client, self.run_id, self.owner)
+        self._start_settings = settings
+        self._requested_at = time.time()
+        addresses = self._placement.request(wanted, self.queue)
+        if addresses is None:  # waits in the queue: the supervisor starts it when its workers are free
+            self.status = "queued"
+            self._announce("run-queued", owner=self.owner, workers=wanted, position=self._placement.position)
+        else:
+            try:
+                self._begin(addresses, settings)
+            except BaseException:
+                self._placement.give_back()
+                raise
+        self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
+        self._supervisor.start()
+
+    @property
+    def queue_position(self) -> int | None:
+        """While the run waits for workers: its place in the cluster's queue (1: next); else None."""
+        return self._placement.position if self.status == "queued" and self._placement else None
+
+    def _begin(self, addresses: list[str], settings: Any) -> None:
+        """Start training on `addresses`, the workers the run holds: run directory, topics, control, tasks."""
+        client, prepared = self.client, self._prepared
+        resumed = self._resume_from is not None
         self.directory = RunDirectory(Path(self._run_root) / self.run_id)
         if resumed:  # the earlier history first, so that views of this run show all of it
             self.table.add(read_metrics(self.directory.path))
@@ -248,6 +281,7 @@ class Run:
             "fault_tolerance": {"checkpoint_every_steps": self.checkpoint_every_steps,
                                 "checkpoint_every_s": self.checkpoint_every_s, "min_workers": self.min_workers,
                                 "auto_join": self.auto_join},
+            "queued_s": round(time.time() - self._requested_at, 3),  # waiting for free workers
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]
@@ -277,8 +311,6 @@ class Run:
         self._announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
         for target, purpose in ((self._serve_requests, "requests"), (self._write_checkpoints, "checkpoints")):
             threading.Thread(target=target, name=f"workbench-{purpose}-{self.run_id}", daemon=True).start()
-        self._supervisor = threading.Thread(target=self._supervise, name=f"workbench-{self.run_id}", daemon=True)
-        self._supervisor.start()
 
     def _check_fault_tolerance_options(self) -> None:
         if not isinstance(self._collective_timeout_s, (int, float)) or isinstance(self._collective_timeout_s, bool) \
@@ -296,11 +328,10 @@ class Run:
         if not isinstance(self.auto_join, bool):
             raise ConfigError("auto_join", self.auto_join, "True or False")
 
-    def _check_batch_fits(self, prepared: PreparedJob, addresses: list[str]) -> None:
+    def _check_batch_fits(self, prepared: PreparedJob, world_size: int) -> None:
         if isinstance(prepared.train, DaskArrayData):
             return  # shards follow where the blocks are; checked when they are placed
-        _check_batch_fits_shard(prepared.job.batch_size, shard_size(len(prepared.train), len(addresses)),
-                                len(addresses))
+        _check_batch_fits_shard(prepared.job.batch_size, shard_size(len(prepared.train), world_size), world_size)
 
     def _save_job(self) -> None:
         """The job beside its checkpoint, so that `resume(run_dir)` needs nothing else (when it fits)."""
@@ -378,19 +409,18 @@ class Run:
             raise ConfigError("client", None, "a Dask client",
                               "Start one with client = workbench.connect() and pass client=client") from None
 
-    def _choose_workers(self, client: Client) -> list[str]:
-        available = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    def _wanted_workers(self, client: Client) -> int:
+        """How many workers the run asks for: `workers`, or as many as the cluster has."""
+        present = len(client.scheduler_info(n_workers=-1)["workers"])
         requested = self._requested_workers
-        if requested is None:
-            requested = len(available)
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
             raise ConfigError("workers", requested, "an integer >= 1")
-        if not available:
+        if not present:
             raise ClusterError("the cluster has no workers; start some (dask worker ADDRESS) and try again")
-        if requested > len(available):
-            raise ConfigError("workers", requested, f"at most {len(available)}, the workers in this cluster",
+        if requested is not None and requested > present:
+            raise ConfigError("workers", requested, f"at most {present}, the workers in this cluster",
                               "Start more workers or ask for fewer")
-        return available[:requested]
+        return present if requested is None else requested
 
     def _place_training_data(self, client: Client, source: DataSource, addresses: list[str]):
         """Where the training data goes: (payload, common shard size, whether shards are worker-local)."""
@@ -460,7 +490,7 @@ class Run:
         while True:
             try:
                 action, address, when = self._membership_changes.get_nowait()
-            except queue.Empty:
+            except Empty:
                 return
             if action == "remove-worker":
                 self._joined = [a for a in self._joined if a != address]
@@ -476,7 +506,7 @@ class Run:
         while True:
             try:
                 taken.append(self._warnings.get_nowait())
-            except queue.Empty:
+            except Empty:
                 return taken
 
     def _publish_warnings(self) -> None:
@@ -502,9 +532,15 @@ class Run:
 
     def _supervise(self) -> None:
         try:
+            if self.status == "queued" and not self._start_when_workers_are_free():
+                return
             self._supervise_tasks()
         except BaseException as error:  # never leave the run looking alive when supervision itself broke
-            if self._scheduler_lost(error):
+            if not hasattr(self, "directory"):  # it never started: nothing was written
+                self.error = f"starting the run failed: {type(error).__name__}: {error}"
+                self.status = "failed"
+                self._announce("run-status", error=self.error)
+            elif self._scheduler_lost(error):
                 self.error = self._scheduler_lost_message()
             else:
                 self.error = f"supervising the run failed: {type(error).__name__}: {error}"
@@ -522,7 +558,25 @@ class Run:
             self._ready_checkpoints.put(None)  # and the one writing checkpoints
             if self._stop_watching is not None:
                 self._stop_watching()
+            # However the run ended, its workers are free for the next run (before wait() returns).
+            if getattr(self.client, "status", None) == "running":
+                self._placement.give_back()
             self._ended.set()
+
+    def _start_when_workers_are_free(self) -> bool:
+        """Wait in the queue, then start; False when the run ended there (stopped, or its place lost)."""
+        addresses = self._placement.wait(lambda: self._stop_requested)
+        if addresses is None:
+            stopped = self._stop_requested
+            self.status = "stopped" if stopped else "failed"
+            if not stopped:
+                self.error = "the run lost its place in the queue (its client's connection to the scheduler ended)"
+            self._announce("run-status", error=self.error)
+            return False
+        self._begin(addresses, self._start_settings)
+        if self._stop_requested:  # stopped while it was being started
+            self._control.update(stop=True)
+        return True
 
     def _scheduler_lost(self, error: BaseException) -> bool:
         return isinstance(error, SchedulerLost) or getattr(self.client, "status", "running") != "running" \
@@ -618,7 +672,10 @@ class Run:
         if not lost:
             self._fail(futures, addresses)
             return None
-        self._regroup_to = None  # a join under way is dropped: the survivors go on (add workers again)
+        # A lost worker (back under the same address it is a new one) and a join under way are given
+        # back: the survivors go on (add workers again).
+        self._placement.give_back(sorted(lost | set(self._regroup_to or []) - set(addresses)))
+        self._regroup_to = None
         survivors = [a for a in addresses if a not in lost and a in present]
         checkpoint = self._latest_checkpoint
         from_step = checkpoint["step"] if checkpoint else 0
@@ -778,8 +835,8 @@ class Run:
 
     def _try_add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
         present = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
-        if addresses is None:
-            addresses = [a for a in present if a not in self.worker_addresses]
+        if addresses is None:  # every free worker (those no other run holds)
+            addresses = self._placement.free_workers()
         unknown = [a for a in addresses if a not in present]
         if unknown and automatic:  # joined and left again
             addresses = [a for a in addresses if a in present]
@@ -789,12 +846,18 @@ class Run:
         self._joined = [a for a in self._joined if a not in addresses]
         if not new:
             return list(self.worker_addresses)
-        following = list(self.worker_addresses) + new
+        added = self._placement.grow(new)  # only workers no other run holds, and none while runs wait
         try:
+            if len(added) < len(new):
+                held = [a for a in new if a not in added]
+                raise ConfigError("addresses", held, "free workers (no other run holds them)",
+                                  f"Held: {self._placement.held_by_others(held)}")
+            following = list(self.worker_addresses) + new
             settings = make_settings(self._control.state.strategy, self._control.state.settings)
             get_strategy(self._control.state.strategy).check_world(settings, len(following))
-            self._check_batch_fits(self._prepared, following)
+            self._check_batch_fits(self._prepared, len(following))
         except ConfigError as error:
+            self._placement.give_back(added)
             if not automatic:
                 raise
             self._publish({"kind": "join-refused", "time": time.time(), "workers": new, "reason": str(error)})
@@ -922,12 +985,16 @@ class Run:
         """Refuse a control action on a run that has not started or has ended."""
         if self.status == "created":
             raise TrainingError("the run has not started yet: call start() first (or train() without start=False)")
+        if self.status == "queued":
+            raise TrainingError(f"run {self.run_id} waits for {self._placement.wanted} free workers (place "
+                                f"{self._placement.position} in the queue; {self._placement.holders}): it can be "
+                                "stopped, and changed once it trains")
         if self.done:
             raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
 
     def pause(self) -> None:
         """Workers stop after their current step (at the next agreed step) until `resume()`."""
-        if self.status == "created":
+        if self.status in ("created", "queued"):
             self._require_running()
         if not self.done:
             self._control.update(paused=True)
@@ -935,7 +1002,7 @@ class Run:
             self._announce("run-status")
 
     def resume(self) -> None:
-        if self.status == "created":
+        if self.status in ("created", "queued"):
             self._require_running()
         if not self.done:
             self._control.update(paused=False)
@@ -943,10 +1010,14 @@ class Run:
             self._announce("run-status")
 
     def stop(self) -> None:
-        """End the run cleanly: workers finish their step, synchronise, and the final weights are kept."""
+        """End the run cleanly: workers finish their step, synchronise, and the final weights are kept.
+        A run waiting in the queue leaves it."""
         if self.status != "created" and not self.done:
             self._stop_requested = True  # also when the workers are being regrouped right now
-            self._control.update(stop=True)
+            if self.status == "queued" or not hasattr(self, "_control"):
+                self._placement.wake()  # the queued run's supervisor gives its place up
+            else:
+                self._control.update(stop=True)
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate on every worker while the run trains."""
