@@ -15,6 +15,7 @@ import pytest
 from distributed import Event, Queue, Variable
 
 import workbench
+from widgets.control_panel import ControlPanel
 from workbench import leases
 
 from helpers import dask_cluster_on_loopback, end_processes, wait_until
@@ -120,32 +121,54 @@ def test_a_two_worker_and_a_one_worker_run_share_three_workers(free_cluster, tmp
     assert len(leases.view(client)["free"]) == 3  # both gave their workers back as they ended
 
 
-def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(free_cluster, tmp_path):
+def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(free_cluster, scheduler, tmp_path):
     client = free_cluster
     first = workbench.train(short_job(epochs=400), "allreduce", client=client, workers=3, run_dir=tmp_path)
+    command = None
     try:
         waiting = workbench.train(short_job(), "allreduce", client=client, workers=2, queue=True, run_dir=tmp_path)
         later = workbench.train(short_job(), "allreduce", client=client, workers=1, queue=True, run_dir=tmp_path)
         assert (waiting.status, waiting.queue_position, later.status, later.queue_position) == \
             ("queued", 1, "queued", 2)
+        # A teammate's command line joins the queue too, and says where it stands.
+        command = subprocess.Popen(
+            [sys.executable, "-m", "workbench", "train", "--scheduler", scheduler, "--workers", "1", "--queue",
+             "--dataset", "digits", "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_until(lambda: len(leases.view(client)["queue"]) == 3, timeout_s=60, interval_s=0.1)
         view = leases.view(client)
-        assert [w["run_id"] for w in view["queue"]] == [waiting.run_id, later.run_id]
+        assert [w["run_id"] for w in view["queue"]][:2] == [waiting.run_id, later.run_id]
         assert set(view["runs"][first.run_id]["workers"]) == set(first.config["workers"])
         with pytest.raises(workbench.TrainingError, match="waits for 2 free workers .place 1 in the queue"):
             waiting.set_lr(0.01)
-        with pytest.raises(workbench.ConfigError, match=r"2 run\(s\) wait for workers ahead"):
+        # The notebook panel says where the run stands, and offers only to leave the queue.
+        panel = ControlPanel(waiting)
+        try:
+            assert panel.progress_text.value.startswith("waits for 2 free workers (place 1 in the queue; run ")
+            assert "queued" in panel.title.value and not panel.stop_button.disabled
+            assert all(w.disabled for w in (panel.pause_button, panel.switch_button, panel.lr_slider))
+        finally:
+            panel.close()
+        with pytest.raises(workbench.ConfigError, match=r"3 run\(s\) wait for workers ahead"):
             workbench.train(short_job(), "allreduce", client=client, workers=1, run_dir=tmp_path)
         later.stop()  # leaves the queue without ever starting
         assert later.wait(30) == "stopped" and not hasattr(later, "directory")
-        assert [w["run_id"] for w in leases.view(client)["queue"]] == [waiting.run_id]
+        assert [w["run_id"] for w in leases.view(client)["queue"]][:1] == [waiting.run_id]
         first.wait_for_step(5)
         stopping = time.time()
         first.stop()
         assert first.wait(60) == "stopped"
+        # The two waiting runs (two workers, then one) start on the three freed workers, side by side.
         assert waiting.wait(120) == "finished"
         assert waiting.events("run-started")[0]["time"] >= stopping and waiting.config["queued_s"] > 0
+        out, err = command.communicate(timeout=180)
+        assert command.returncode == 0, err
+        assert "waits for 1 free workers (place 3 in the queue; run " in err
+        assert "(place 2 in the queue" in err and "finished" in out
     finally:
         first.interrupt(5)
+        if command is not None:
+            end_processes([command])
 
 
 def test_a_lease_ends_with_its_sigkilled_client_and_the_workers_train_the_next_run(free_cluster, scheduler,

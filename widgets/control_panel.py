@@ -22,7 +22,7 @@ from workbench.strategies import STRATEGIES, get_strategy
 
 # The live setting the period slider moves, per strategy: steps between synchronisations or pushes.
 PERIOD_SETTINGS = {"average": "period", "easgd": "period", "async": "push_every", "ssp": "push_every"}
-STATUS_COLOURS = {"created": "#777", "running": "#1a7f37", "paused": "#9a6700", "stopped": "#555",
+STATUS_COLOURS = {"created": "#777", "queued": "#8250df", "running": "#1a7f37", "paused": "#9a6700", "stopped": "#555",
                   "finished": "#0969da", "failed": "#cf222e"}
 MIN_REFRESH_S = 0.2
 
@@ -219,7 +219,7 @@ class ControlPanel:
         self.start_button.description = "Start" if status == "created" else "New run"
         self.pause_button.disabled = status != "running"
         self.resume_button.disabled = status != "paused"
-        self.stop_button.disabled = status not in ("running", "paused")
+        self.stop_button.disabled = status not in ("running", "paused", "queued")  # a queued run leaves the queue
         self.switch_button.disabled = status not in ("running", "paused")
         self.lr_slider.disabled = status not in ("running", "paused")
         self.lr_slider.value = s["lr"]
@@ -229,7 +229,8 @@ class ControlPanel:
         if setting is not None:
             self.period_slider.value = int(s["settings"].get(setting, 1))
         self.progress.value = s["progress"]
-        self.progress_text.value = f"{s['progress']:.0%} of {s['total_steps']} steps"
+        self.progress_text.value = (s["waiting"] if s.get("waiting")
+                                    else f"{s['progress']:.0%} of {s['total_steps']} steps")
 
         loss = s["loss"]
         with self.loss_line.hold_sync():

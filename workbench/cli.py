@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-workers", type=_positive_int, default=1,
                      help="after losing workers, go on only with at least this many")
     run.add_argument("--auto-join", action="store_true", help="add workers that join the cluster during the run")
+    run.add_argument("--queue", action="store_true",
+                     help="on a shared cluster, wait for enough free workers instead of being refused")
     run.add_argument("--timeout", type=_positive_float, default=60.0, dest="collective_timeout_s",
                      help="seconds any wait on another worker may take before that worker counts as lost")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -187,15 +189,22 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
         cluster_module.shutdown(client) if not arguments.scheduler else client.close()
 
 
-# Command-line flags that are train() options for checkpoints, lost and joining workers.
+# Command-line flags that are train() options for checkpoints, lost and joining workers, and the queue.
 FAULT_TOLERANCE_FLAGS = ("checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
-                         "collective_timeout_s")
+                         "collective_timeout_s", "queue")
 # Command-line flags that are strategy settings (checked against the chosen strategy's settings).
 SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "reply_compression",
                  "topk_ratio")
 
 
 def _follow(run: Any, disable: bool) -> None:
+    said = None
+    while run.status == "queued":  # on a shared cluster: say where the run stands until it starts
+        waiting = run.waiting()
+        if waiting is not None and waiting != said:
+            print(f"workbench: run {run.run_id} {waiting}", file=sys.stderr)
+            said = waiting
+        time.sleep(0.2)
     shown = 0
     with tqdm(total=run.total_steps, unit="step", desc=run.strategy, disable=disable, dynamic_ncols=True) as bar:
         while not run.done:

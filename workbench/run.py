@@ -265,6 +265,14 @@ class Run:
         """While the run waits for workers: its place in the cluster's queue (1: next); else None."""
         return self._placement.position if self.status == "queued" and self._placement else None
 
+    def waiting(self) -> str | None:
+        """While the run waits for workers, what for and behind whom (one line); else None."""
+        placement = self._placement
+        if self.status != "queued" or placement is None:
+            return None
+        return (f"waits for {placement.wanted} free workers (place {placement.position} in the queue; "
+                f"{placement.holders})")
+
     def _begin(self, addresses: list[str], settings: Any) -> None:
         """Start training on `addresses`, the workers the run holds: run directory, topics, control, tasks."""
         client, prepared = self.client, self._prepared
@@ -986,9 +994,7 @@ class Run:
         if self.status == "created":
             raise TrainingError("the run has not started yet: call start() first (or train() without start=False)")
         if self.status == "queued":
-            raise TrainingError(f"run {self.run_id} waits for {self._placement.wanted} free workers (place "
-                                f"{self._placement.position} in the queue; {self._placement.holders}): it can be "
-                                "stopped, and changed once it trains")
+            raise TrainingError(f"run {self.run_id} {self.waiting()}: it can be stopped, and changed once it trains")
         if self.done:
             raise TrainingError(f"run {self.run_id} has already ended ({self.status})")
 
@@ -1135,7 +1141,7 @@ class Run:
         return {**view, "run_id": getattr(self, "run_id", None), "status": self.status, "strategy": self.strategy,
                 "settings": self.settings, "lr": self.lr, "error": self.error, "progress": self.progress(),
                 "total_steps": self.total_steps, "samples_per_s": rate["samples_per_s"],
-                "markers": control_markers(self.table.events()), "dashboard": dashboard,
+                "markers": control_markers(self.table.events()), "dashboard": dashboard, "waiting": self.waiting(),
                 "directory": str(directory.path) if directory is not None else None}
 
     def summary(self) -> dict[str, Any]:
@@ -1179,7 +1185,7 @@ class Run:
         return train(self.job, strategy, client=self.client, workers=self._requested_workers,
                      run_dir=self._run_root, collective_timeout_s=self._collective_timeout_s,
                      checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
-                     min_workers=self.min_workers, auto_join=self.auto_join, **settings)
+                     min_workers=self.min_workers, auto_join=self.auto_join, queue=self.queue, **settings)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         """In a notebook a run shows as its control panel (`widgets.ControlPanel`), found by name at
