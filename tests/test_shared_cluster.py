@@ -111,14 +111,30 @@ def test_teammates_starting_at_the_same_moment_never_collide(free_cluster, sched
         end_processes(processes)
 
 
-def test_a_two_worker_and_a_one_worker_run_share_three_workers(free_cluster, tmp_path):
+def test_runs_side_by_side_and_joins_and_resumes_take_only_free_workers(free_cluster, tmp_path):
     client = free_cluster
-    two = workbench.train(short_job(), "allreduce", client=client, workers=2, run_dir=tmp_path)
+    two = workbench.train(short_job(epochs=3), "allreduce", client=client, workers=2, run_dir=tmp_path)
     one = workbench.train(short_job(), "allreduce", client=client, workers=1, run_dir=tmp_path)
+    (other,) = one.config["workers"]
+    # Growing into workers: none is free, and the one asked for by name is another run's.
+    assert two.add_workers() == two.config["workers"] and not two.events("regrouped")
+    with pytest.raises(workbench.ConfigError, match=f"Held: {other} by run {one.run_id}"):
+        two.add_workers([other])
     assert two.wait(120) == one.wait(120) == "finished"
     assert not set(two.config["workers"]) & set(one.config["workers"])
     assert two.summary()["steps_done"] == two.total_steps and one.summary()["steps_done"] == one.total_steps
     assert len(leases.view(client)["free"]) == 3  # both gave their workers back as they ended
+    # A resume asks for free workers like any run: refused while they are held, or queued.
+    holder = workbench.train(short_job(epochs=400), "allreduce", client=client, workers=2, run_dir=tmp_path)
+    try:
+        with pytest.raises(workbench.ConfigError, match=f"run {holder.run_id} .* holds"):
+            workbench.resume(two.directory.path, client=client, workers=2)
+        resumed = workbench.resume(two.directory.path, client=client, workers=2, queue=True)
+        assert resumed.status == "queued"
+        holder.stop()
+        assert resumed.wait(120) == "finished" and resumed.events("run-resumed")
+    finally:
+        holder.interrupt(5)
 
 
 def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(free_cluster, scheduler, tmp_path):
