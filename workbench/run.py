@@ -250,7 +250,8 @@ class Run:
         addresses = self._placement.request(wanted, self.queue)
         if addresses is None:  # waits in the queue: the supervisor starts it when its workers are free
             self.status = "queued"
-            self._announce("run-queued", owner=self.owner, workers=wanted, position=self._placement.position)
+            self._announce("run-queued", owner=self.owner, world_size=wanted, queued=self._requested_at,
+                           position=self._placement.position, waiting=self.waiting())
         else:
             try:
                 self._begin(addresses, settings)

@@ -13,13 +13,14 @@ files, asking the scheduler) runs on the hub's own thread.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from workbench import membership
+from workbench import leases, membership
 from workbench.metrics import MetricsTable, control_markers, expand, topic
 from workbench.registry import RUNS_TOPIC, send_control_request
 from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
@@ -27,6 +28,7 @@ from workbench.rundir import CONFIG_FILE, SUMMARY_FILE, read_metrics
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
 RUNS_LIST_S = 0.25  # how stale the runs list may be
+LEASES_S = 1.0  # how stale the workers view (who holds which worker) may be
 MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.membership)
 
 
@@ -106,7 +108,8 @@ class RunFeed:
         if rate is None:
             rate = self.summary.get("samples_per_s")
         return {"run": self.run_id, "owner": self.info.get("owner", ""), "strategy": self.info.get("strategy", ""),
-                "state": self.status, "workers": self.info.get("world_size"), "started": self.info.get("started"),
+                "state": self.status, "workers": self.info.get("world_size"),
+                "started": self.info.get("started") or self.info.get("queued"),
                 "samples_per_s": rate, "best_metric": best[1] if best else None,
                 "metric": best[0] if best else ""}
 
@@ -158,6 +161,8 @@ class Hub:
         self.subscriptions: set[str] = set()  # topics this process subscribes to: one per live run
         self._lock = threading.Lock()
         self._runs: tuple[float, list[dict[str, Any]]] | None = None
+        self._leases: dict[str, Any] = {"workers": {}, "free": [], "runs": {}, "queue": []}
+        self._leases_asked = -math.inf
         self._work: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="workbench-dashboard-hub", daemon=True)
@@ -223,9 +228,25 @@ class Hub:
         self.client.subscribe_topic(name, handler)
         self.subscriptions.add(name)
 
+    def workers(self) -> dict[str, Any]:
+        """Who holds which worker, what is free and who waits (`workbench.leases.view`), as last asked."""
+        return self._leases
+
+    def _refresh_leases(self) -> None:
+        if self.client is not None and time.monotonic() - self._leases_asked >= LEASES_S:
+            self._leases_asked = time.monotonic()
+            try:
+                self._leases = leases.view(self.client)
+            except Exception:  # the scheduler may be gone for a moment: keep what was last known
+                pass
+
     def _serve(self) -> None:
         while not self._closed.is_set():
-            kind, payload = self._work.get()
+            self._refresh_leases()
+            try:
+                kind, payload = self._work.get(timeout=LEASES_S)
+            except queue.Empty:
+                continue
             try:
                 if kind == "registry":
                     self._on_registry(payload)
@@ -246,7 +267,9 @@ class Hub:
         if not run_id:
             return
         feed = self._feed_for(run_id)
-        if message.get("kind") == "run-registered":
+        if message.get("kind") == "run-queued":  # waits for free workers: listed, not followed yet
+            feed.describe(message, "queued")
+        elif message.get("kind") == "run-registered":
             feed.registered = True
             feed.describe(message, message.get("status"))
             if follow and feed.status not in ENDED:
