@@ -108,3 +108,23 @@ def test_the_dashboards_workers_view_lists_holders_free_workers_and_the_queue():
     drawn.draw(view)
     assert drawn.summary.object.startswith("**1 of 3 workers free**, 1 run(s) holding workers, 1 waiting")
     assert drawn.workers_table.object.equals(worker_rows(view))
+
+
+def test_the_hub_lists_a_queued_run_and_ends_it_once_its_place_is_gone():
+    from widgets.dashboard.hub import Hub
+
+    hub = Hub(None)
+    hub._on_registry({"kind": "run-queued", "run_id": "q", "owner": "bob", "world_size": 2, "queued": 10.0,
+                      "status": "queued", "strategy": "async"}, follow=False)
+    (row,) = hub.runs()
+    assert (row["state"], row["owner"], row["workers"], row["started"]) == ("queued", "bob", 2, 10.0)
+    book = LeaseBook()
+    book.acquire("a", "alice", "c1", 3, False, W, 0.0)
+    book.acquire("q", "bob", "c2", 2, True, W, 10.0)
+    hub._end_abandoned_places(book.view(W), asked=20.0)
+    assert hub.feed("q").status == "queued"  # still waiting
+    book.drop_client("c2", W, 21.0)  # its notebook closed
+    hub._end_abandoned_places(book.view(W), asked=10.5)
+    assert hub.feed("q").status == "queued"  # a view older than its place proves nothing
+    hub._end_abandoned_places(book.view(W), asked=22.0)
+    assert hub.feed("q").status == "failed" and "client is gone" in hub.feed("q").info["error"]

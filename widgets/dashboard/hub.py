@@ -235,10 +235,23 @@ class Hub:
     def _refresh_leases(self) -> None:
         if self.client is not None and time.monotonic() - self._leases_asked >= LEASES_S:
             self._leases_asked = time.monotonic()
+            asked = time.time()
             try:
                 self._leases = leases.view(self.client)
             except Exception:  # the scheduler may be gone for a moment: keep what was last known
-                pass
+                return
+            self._end_abandoned_places(self._leases, asked)
+
+    def _end_abandoned_places(self, view: dict[str, Any], asked: float) -> None:
+        """A queued run that neither waits nor holds workers any more, and never started, lost its place
+        with its client (a closed notebook says nothing on its way out)."""
+        known = {w["run_id"] for w in view["queue"]} | set(view["runs"])
+        with self._lock:
+            feeds = list(self.feeds.values())
+        for feed in feeds:
+            if feed.status == "queued" and not feed.registered and feed.run_id not in known \
+                    and asked > (feed.info.get("queued") or 0) + LEASES_S:
+                feed.describe({"error": "left the queue: its client is gone"}, "failed")
 
     def _serve(self) -> None:
         while not self._closed.is_set():
