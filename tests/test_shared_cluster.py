@@ -113,28 +113,26 @@ def test_teammates_starting_at_the_same_moment_never_collide(free_cluster, sched
 
 def test_runs_side_by_side_and_joins_and_resumes_take_only_free_workers(free_cluster, tmp_path):
     client = free_cluster
-    two = workbench.train(short_job(epochs=3), "allreduce", client=client, workers=2, run_dir=tmp_path)
-    one = workbench.train(short_job(), "allreduce", client=client, workers=1, run_dir=tmp_path)
+    two = workbench.train(short_job(epochs=400), "allreduce", client=client, workers=2, run_dir=tmp_path)
+    one = workbench.train(short_job(epochs=3), "allreduce", client=client, workers=1, run_dir=tmp_path)
     (other,) = one.config["workers"]
-    # Growing into workers: none is free, and the one asked for by name is another run's.
-    assert two.add_workers() == two.config["workers"] and not two.events("regrouped")
-    with pytest.raises(workbench.ConfigError, match=f"Held: {other} by run {one.run_id}"):
-        two.add_workers([other])
-    assert two.wait(120) == one.wait(120) == "finished"
-    assert not set(two.config["workers"]) & set(one.config["workers"])
-    assert two.summary()["steps_done"] == two.total_steps and one.summary()["steps_done"] == one.total_steps
-    assert len(leases.view(client)["free"]) == 3  # both gave their workers back as they ended
-    # A resume asks for free workers like any run: refused while they are held, or queued.
-    holder = workbench.train(short_job(epochs=400), "allreduce", client=client, workers=2, run_dir=tmp_path)
     try:
-        with pytest.raises(workbench.ConfigError, match=f"run {holder.run_id} .* holds"):
-            workbench.resume(two.directory.path, client=client, workers=2)
-        resumed = workbench.resume(two.directory.path, client=client, workers=2, queue=True)
+        # Growing into workers: none is free, and the one asked for by name is another run's.
+        assert two.add_workers() == two.config["workers"] and not two.events("regrouped")
+        with pytest.raises(workbench.ConfigError, match=f"Held: {other} by run {one.run_id}"):
+            two.add_workers([other])
+        assert one.wait(120) == "finished" and one.summary()["steps_done"] == one.total_steps
+        assert not set(two.config["workers"]) & set(one.config["workers"])
+        # A resume asks for free workers like any run: refused while they are held, or queued.
+        with pytest.raises(workbench.ConfigError, match=f"run {two.run_id} .* holds"):
+            workbench.resume(one.directory.path, client=client, workers=2)
+        resumed = workbench.resume(one.directory.path, client=client, workers=2, queue=True)
         assert resumed.status == "queued"
-        holder.stop()
-        assert resumed.wait(120) == "finished" and resumed.events("run-resumed")
     finally:
-        holder.interrupt(5)
+        two.stop()
+    assert two.wait(120) == "stopped" and not two.events("regrouped")
+    assert resumed.wait(120) == "finished" and resumed.events("run-resumed")
+    assert len(leases.view(client)["free"]) == 3  # every run gave its workers back as it ended
 
 
 def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(free_cluster, scheduler, tmp_path):
