@@ -149,19 +149,19 @@ def test_session_refuses_control_on_the_server_for_viewers_and_ended_runs(tmp_pa
     viewer = DashboardSession(hub, Access(sign_in=True, admins=frozenset({"admin"})), user="victor")
     viewer.run_select.value = "live"
     viewer.refresh()
-    assert viewer.stop_button.disabled
-    viewer.stop_button.disabled = False  # what a tampering browser can do
-    viewer.stop_button.clicks += 1
-    assert hub.sent == [] and "refused" in viewer.control_message.object
+    assert viewer.controls.stop_button.disabled
+    viewer.controls.stop_button.disabled = False  # what a tampering browser can do
+    viewer.controls.stop_button.clicks += 1
+    assert hub.sent == [] and "refused" in viewer.controls.message.object
     owner = DashboardSession(hub, Access(sign_in=True), user="olivia")
     owner.run_select.value = "live"
-    assert owner.act("set_lr", lr=-1.0) is False and hub.sent == []
-    assert owner.act("switch", strategy="average", settings='{"period": 0}') is False and hub.sent == []
-    assert owner.act("set_lr", lr=0.02) and owner.act("switch", strategy="average", settings='{"period": 3}')
+    assert owner.controls.act("set_lr", lr=-1.0) is False and hub.sent == []
+    assert owner.controls.act("switch", strategy="average", settings='{"period": 0}') is False and hub.sent == []
+    assert owner.controls.act("set_lr", lr=0.02) and owner.controls.act("switch", strategy="average", settings='{"period": 3}')
     assert hub.sent == [("live", "set_lr", "olivia", {"lr": 0.02}),
                         ("live", "switch", "olivia", {"strategy": "average", "settings": {"period": 3}})]
     owner.run_select.value = "done"
-    assert owner.act("stop") is False and "ended" in owner.control_message.object
+    assert owner.controls.act("stop") is False and "ended" in owner.controls.message.object
     hub.close()
 
 
@@ -183,13 +183,13 @@ def test_compare_view_overlays_runs_on_one_time_axis(tmp_path):
     _write_run(tmp_path, "b", "olivia", _steps(0, range(6), start=5000.0), {"status": "finished"})
     hub = Hub(None, tmp_path).start()
     session = DashboardSession(hub, Access())
-    session.compare_select.value = ["a", "b"]
-    data = session.compare_sources["compare-loss"].data
+    session.tab_views["Compare"].select.value = ["a", "b"]
+    data = session.tab_views["Compare"].sources["compare-loss"].data
     assert data["run"] == ["a", "b"]
     # Seconds since each run's first step: both start at 0 although they ran hours apart.
     assert data["xs"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
     assert data["ys"][1] == [1.0, 0.5, 1 / 3, 0.25, 0.2, 1 / 6]
-    assert list(session.compare_table.object["run"]) == ["a", "b"]
+    assert list(session.tab_views["Compare"].table.object["run"]) == ["a", "b"]
     hub.close()
 
 
@@ -239,7 +239,7 @@ def test_a_run_that_is_not_learning_says_so_in_the_status_line_and_on_the_loss_c
         session = DashboardSession(hub, Access(sign_in=False), user=None)
         session.run_select.value = "stalled"
         session.refresh()
-        assert "⚠ the training loss is still 2.3 at step 3" in session.status.object
+        assert "⚠ the training loss is still 2.3 at step 3" in session.status_line.pane.object
         assert hub.feed("stalled").view()["markers"][-1]["label"] == "warning: not-learning"
     finally:
         hub.close()

@@ -5,7 +5,8 @@
     run = workbench.train(workbench.Job(model=..., data="digits"), strategy="average", client=client, period=4)
     run.wait(); run.evaluate()
 
-This package is the engine; it never imports the UI (`widgets`).
+This package is the engine; it never imports the UI (`widgets`). The UI registers its notebook display
+of a run and its `workbench dashboard` command through entry points (`extensions.py`).
 """
 from .cluster import client_session, connect, security_from_files, shutdown
 from .data import Splits, digits, synthetic

@@ -1,12 +1,12 @@
 """The `workbench` command: `workbench train ...` runs a job with a live progress bar and a summary;
-`workbench dashboard ...` serves the team dashboard (from the UI layer, `widgets.dashboard`).
+`workbench dashboard ...` serves the team dashboard: a command the UI adds through the
+`workbench.commands` entry point (`extensions.py`), imported only when it is run.
 
 Bad arguments end with a one-line message and a non-zero exit code, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import signal
 import sys
@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from . import cluster as cluster_module
+from . import extensions
+from .arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
 from .data import as_source, resolve_dataset
 from .errors import ConfigError, WorkbenchError
 from .job import OPTIMIZERS, Job
@@ -27,20 +29,15 @@ from .run import resume, train
 from .compression import COMPRESSIONS
 from .strategies import STRATEGIES, make_settings, suggested_sgd
 
-EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+BUILT_IN_COMMANDS = ("train",)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the full usage stays available with --help)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="workbench", description="Data-parallel PyTorch training on Dask.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
+    """The `workbench` parser. `describe_added`: import the added commands to list them with their
+    summaries (for --help only: the dashboard's imports cost seconds)."""
+    parser = OneLineParser(prog="workbench", description="Data-parallel PyTorch training on Dask.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = commands.add_parser("train", help="train a model on the embedded cluster or an existing one")
     run.add_argument("--strategy", default="allreduce", choices=sorted(STRATEGIES), help="how workers combine results")
     run.add_argument("--workers", type=_positive_int, default=2, help="worker processes that train (default 2)")
@@ -84,23 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--oversubscribe", action="store_true",
                      help="start more local workers than this machine's cores and memory hold")
-    commands.add_parser("dashboard", add_help=False,
-                        help="serve the team dashboard of a cluster (workbench dashboard --help)")
+    for name in sorted(set(extensions.declared(extensions.COMMANDS)) - set(BUILT_IN_COMMANDS)):
+        commands.add_parser(name, add_help=False, help=_added_command_help(name, describe_added))
     return parser
+
+
+def _added_command_help(name: str, describe: bool) -> str:
+    """'<first line of its docstring> (workbench NAME --help)', or only the pointer when not described."""
+    summary = ""
+    if describe:
+        try:
+            summary = (extensions.load(extensions.COMMANDS, name).__doc__ or "").strip().split("\n")[0].rstrip(".")
+        except ImportError:
+            summary = "needs the UI extra"
+    summary = summary[:1].lower() + summary[1:]
+    return f"{summary} (workbench {name} --help)" if summary else f"workbench {name} --help"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["dashboard"]:
-        # The dashboard lives in the UI layer, imported only when asked for: the engine imports no UI.
+    if argv and argv[0] not in BUILT_IN_COMMANDS and argv[0] in extensions.declared(extensions.COMMANDS):
+        # A command another package adds (the UI's dashboard), imported only when asked for: the engine
+        # imports no UI, and `workbench train` does not wait for Panel to load.
         try:
-            dashboard = importlib.import_module("widgets.dashboard.serve")
+            command = extensions.load(extensions.COMMANDS, argv[0])
         except ImportError as error:
-            print(f"workbench dashboard: needs the UI extra (pip install 'training-workbench[ui]'): {error}",
+            print(f"workbench {argv[0]}: needs the UI extra (pip install 'training-workbench[ui]'): {error}",
                   file=sys.stderr)
             return EXIT_FAILED
-        return dashboard.main(argv[1:])
-    parser = build_parser()
+        return command(argv[1:])
+    parser = build_parser(describe_added=argv[:1] in (["-h"], ["--help"]))
     arguments = parser.parse_args(argv)  # argparse prints a one-line usage error and exits 2
     # A terminated command (a timeout, a job scheduler) cleans up as an interrupted one does: the run
     # stops, and the cluster it started is closed, however far its start-up got.
@@ -251,21 +261,6 @@ def _shape_of(source: Any) -> tuple[int, int]:
     loaded = loaded.load() if hasattr(loaded, "load") else loaded
     inputs, targets = loaded.batch(torch.arange(min(len(loaded), 4096)))
     return int(inputs[0].numel()), int(targets.max()) + 1
-
-
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that reach a TLS scheduler, named as `dask scheduler` and `dask worker` name them."""
-    parser.add_argument("--tls-ca-file", default=None, metavar="PEM",
-                        help="the cluster's CA certificate (for a tls:// --scheduler)")
-    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this client's TLS certificate")
-    parser.add_argument("--tls-key", default=None, metavar="PEM",
-                        help="the private key of --tls-cert (unless appended to it)")
-
-
-def tls_security(arguments: argparse.Namespace) -> Any:
-    """The `distributed.Security` the --tls-* flags describe (files checked), or None without them."""
-    return cluster_module.security_from_files(arguments.tls_ca_file, arguments.tls_cert, arguments.tls_key,
-                                              names=("--tls-ca-file", "--tls-cert", "--tls-key"))
 
 
 def _positive_int(text: str) -> int:

@@ -1189,14 +1189,19 @@ class Run:
                      min_workers=self.min_workers, auto_join=self.auto_join, queue=self.queue, **settings)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        """In a notebook a run shows as its control panel (`widgets.ControlPanel`), found by name at
-        display time so that the engine never imports the UI; plain text where ipywidgets are missing."""
-        try:
-            control_panel = importlib.import_module("widgets.control_panel")
-        except ImportError:
-            return {"text/plain": repr(self)}
+        """In a notebook a run shows as what the UI registers under the `workbench.display` entry point
+        (its control panel), made on the first display and kept, so that every display is the same live
+        view; plain text where no UI is installed or ipywidgets are missing. The engine names no UI."""
+        from .extensions import DISPLAY, load
+
         if self._panel is None:
-            self._panel = control_panel.ControlPanel(self)
+            try:
+                make = load(DISPLAY, "run")
+            except ImportError:
+                make = None
+            if make is None:
+                return {"text/plain": repr(self)}
+            self._panel = make(self)
         return self._panel._repr_mimebundle_(include=include, exclude=exclude)
 
     def __repr__(self) -> str:

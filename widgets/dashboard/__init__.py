@@ -1,8 +1,8 @@
 """The team dashboard: a Panel app showing every run on a Dask cluster live, with history and roles.
 
 `workbench dashboard --scheduler ADDRESS` serves it in its own process; `serve_dashboard(client)` serves
-it from a notebook; `dashboard(client)` shows it inline. See `hub` (data), `app` (views), `access` (who
-may act) and `serve` (the command).
+it from a notebook; `dashboard(client)` shows it inline. See `hub` (data), `app` (the page of one
+viewer), `views/` (one file per view), `access` (who may act) and `serve` (the command).
 """
 from .access import Access
 from .hub import Hub, RunFeed

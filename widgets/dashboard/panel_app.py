@@ -21,7 +21,7 @@ from widgets.dashboard.access import Access
 from widgets.dashboard.app import DashboardSession
 from widgets.dashboard.hub import Hub
 from workbench import cluster as cluster_module
-from workbench.cli import add_tls_arguments, tls_security
+from workbench.arguments import add_tls_arguments, tls_security
 
 
 def _arguments() -> argparse.Namespace:

@@ -1,9 +1,10 @@
 """Serving the dashboard: `workbench dashboard ...` (its own process), one call from a notebook, or inline.
 
-`main()` is the command: it connects its own Dask client to the scheduler (over TLS with
-`--tls-ca-file/--tls-cert/--tls-key`), builds the shared hub and serves the Panel app on localhost unless
-told another address, with optional basic auth or OAuth (Panel's own), HTTPS, a cookie secret and allowed
-websocket origins. Bad arguments end in one line and a non-zero exit code.
+`main()` is the command: it connects its own Dask client to the scheduler (over TLS with the engine's
+shared `--tls-ca-file/--tls-cert/--tls-key` flags), builds the shared hub and serves the Panel app on
+localhost unless told another address, with optional basic auth or OAuth (Panel's own), HTTPS, a cookie
+secret and allowed websocket origins. Bad arguments end in one line and a non-zero exit code. The UI
+registers it as `workbench dashboard` through the `workbench.commands` entry point (pyproject.toml).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 import panel as pn
 
 from workbench import cluster as cluster_module
+from workbench.arguments import OneLineParser, add_tls_arguments, tls_security
 from workbench.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
@@ -130,17 +132,13 @@ def _auth_options(credentials: dict[str, str] | None, cookie_secret: str | None,
 # --- the command ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from workbench.cli import _OneLineParser
-
-    parser = _OneLineParser(prog="workbench dashboard",
-                            description="Serve the team dashboard of every run on a Dask cluster.")
+    parser = OneLineParser(prog="workbench dashboard",
+                           description="Serve the team dashboard of every run on a Dask cluster.")
     add_arguments(parser)
     return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from workbench.cli import add_tls_arguments
-
     parser.add_argument("--scheduler", required=True, metavar="ADDRESS", help="the cluster's scheduler address")
     add_tls_arguments(parser)  # --tls-ca-file, --tls-cert, --tls-key: to reach a tls:// scheduler
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to serve on (default {DEFAULT_PORT})")
@@ -165,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve the team dashboard of a cluster."""
     arguments = build_parser().parse_args(argv)
     try:
         return run(arguments)
@@ -176,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(arguments: argparse.Namespace) -> int:
-    from workbench.cli import tls_security
-
     options = _checked_arguments(arguments)
     security = tls_security(arguments)  # the files are checked before connecting
     client = cluster_module.connect(scheduler=arguments.scheduler, security=security)

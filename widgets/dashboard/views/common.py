@@ -1,0 +1,90 @@
+"""What every dashboard view is given and draws with: the `Context` (hub, viewer, picked run), the
+session's `Screen` (what the browser has now, so that a redraw sends only what changed), the figure
+style, the palette and the time format."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any, Callable
+
+import pandas as pd
+from bokeh.models import ColumnDataSource
+from bokeh.palettes import Category10_10
+from bokeh.plotting import figure as bokeh_figure
+
+from ..access import Access
+from ..hub import Hub
+
+COLOURS = Category10_10
+MARKER_COLOUR = "#9a6700"
+PLOT_HEIGHT = 230
+# Control and warning markers: drawn on both run tabs from one source, which the overview sends.
+MARKER_COLUMNS = {"step": [], "elapsed": [], "label": []}
+
+
+class Screen:
+    """One session's plot sources, and what its browser has now per source and pane.
+
+    Every update costs the browser a redraw, and with many viewers those redraws are what training pays
+    for: `send` and `show` pass on only what changed. Sources are made here, one per name, because the
+    browser tests and the latency probe find them by name, and a name must be unique in a document.
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[str, ColumnDataSource] = {}
+        self._sent: dict[str, Any] = {}  # per source or pane: what the browser has now
+        self._drawn_at: dict[str, float] = {}
+
+    def source(self, name: str, columns: dict[str, list[Any]]) -> ColumnDataSource:
+        """The source called `name`, made with empty `columns` the first time it is asked for."""
+        if name not in self.sources:
+            self.sources[name] = ColumnDataSource({key: list(value) for key, value in columns.items()}, name=name)
+        return self.sources[name]
+
+    def send(self, name: str, data: dict[str, list[Any]]) -> None:
+        """Give a plot's source new data, unless it is what the browser already has."""
+        if self._sent.get(name) != data:
+            self._sent[name] = data
+            self.sources[name].data = data
+
+    def show(self, name: str, pane: Any, value: Any) -> None:
+        """Set a pane's content when it changed (tables and text are re-rendered whole)."""
+        key = value.to_json() if isinstance(value, pd.DataFrame) else value
+        if self._sent.get(name) != key:
+            self._sent[name] = key
+            pane.object = value
+
+    def due(self, name: str, period_s: float, now: bool = False) -> bool:
+        """Whether `name` may be redrawn: `now`, or at least `period_s` after its last redraw."""
+        if now or time.monotonic() - self._drawn_at.get(name, float("-inf")) >= period_s:
+            self._drawn_at[name] = time.monotonic()
+            return True
+        return False
+
+    def forget(self) -> None:
+        """Send everything again at the next draw (another run was picked: nothing on screen is its)."""
+        self._sent.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a view draws from and acts through: the shared hub, this session's screen, and the viewer."""
+
+    hub: Hub
+    screen: Screen
+    access: Access
+    user: str | None
+    selected: Callable[[], str | None]  # the run the viewer picked, read when needed (a click, a draw)
+
+
+def figure(title: str, x_label: str, y_label: str, **options: Any) -> Any:
+    """A Bokeh figure in the dashboard's style: full width, fixed height, pan/zoom/reset/save."""
+    plot = bokeh_figure(title=title, height=PLOT_HEIGHT, sizing_mode="stretch_width",
+                        tools="pan,wheel_zoom,reset,save", toolbar_location="above", **options)
+    plot.xaxis.axis_label, plot.yaxis.axis_label = x_label, y_label
+    return plot
+
+
+def when(timestamp: float | None) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S") if timestamp else ""

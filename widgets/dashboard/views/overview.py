@@ -1,0 +1,100 @@
+"""The "Run" tab: the picked run at a glance. Throughput per worker and in total, the loss by step with
+control markers, staleness now, over time and as a histogram, and the table of workers."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import panel as pn
+from bokeh.models import HoverTool
+
+from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, figure
+
+
+class RunOverview:
+    """The picked run's throughput, loss, staleness and workers."""
+
+    title = "Run"
+    scope = "run"  # drawn when the picked run's view changed
+
+    def __init__(self, context: Context) -> None:
+        self.screen = screen = context.screen
+        workers = screen.source("throughput-workers", {"xs": [], "ys": [], "worker": [], "colour": []})
+        total = screen.source("throughput", {"time": [], "total": []})
+        loss = screen.source("loss", {"step": [], "loss": []})
+        markers = screen.source("markers", MARKER_COLUMNS)
+        staleness = screen.source("staleness", {"time": [], "staleness": []})
+        pushes = screen.source("staleness-histogram", {"staleness": [], "pushes": []})
+        clock = screen.source("clock", {"newest": [], "steps": []})  # browsers measure their latency on it
+        throughput = figure("Throughput (samples/s)", "seconds since start", "samples/s")
+        throughput.multi_line("xs", "ys", source=workers, line_color="colour", line_alpha=0.6, legend_field="worker")
+        throughput.line("time", "total", source=total, line_width=2, color="black", legend_label="total")
+        throughput.legend.location = "top_left"
+        throughput.tags = [clock]  # drawn by nothing, so referenced here to reach the browser
+        loss_step = figure("Training loss by step", "step", "loss")
+        loss_step.line("step", "loss", source=loss, line_width=2)
+        loss_step.vspan(x="step", source=markers, line_color=MARKER_COLOUR, line_dash="dashed")
+        loss_step.add_tools(HoverTool(tooltips=[("step", "@step"), ("", "@label")], mode="mouse"))
+        over_time = figure("Staleness (server versions, mean per second)", "seconds since start", "staleness")
+        over_time.line("time", "staleness", source=staleness, line_width=2, color="purple")
+        histogram = figure("Staleness histogram", "staleness", "pushes")
+        histogram.vbar(x="staleness", top="pushes", width=0.8, source=pushes, color="purple")
+        self.staleness_now = pn.indicators.Number(name="Staleness now", value=0, format="{value:.2f}",
+                                                  font_size="28pt", title_size="11pt", width=160)
+        self.worker_table = pn.pane.DataFrame(pd.DataFrame(), index=False, sizing_mode="stretch_width",
+                                              css_classes=["worker-table"])
+        plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
+        self.layout = pn.Column(
+            pn.Row(plots[0], plots[1], sizing_mode="stretch_width"),
+            pn.Row(self.staleness_now, plots[2], plots[3], sizing_mode="stretch_width"),
+            pn.pane.Markdown("#### Workers"), self.worker_table,
+            sizing_mode="stretch_width")
+        self._states: list[str] | None = None  # the workers' states last drawn
+
+    def draw(self, view: dict[str, Any], force: bool) -> None:
+        send = self.screen.send
+        throughput = view["throughput"]
+        send("throughput", {"time": throughput["time"], "total": throughput["total"]})
+        workers = sorted(throughput["per_worker"])
+        send("throughput-workers", {
+            "xs": [throughput["time"]] * len(workers), "ys": [throughput["per_worker"][w] for w in workers],
+            "worker": [f"worker {w}" for w in workers], "colour": [COLOURS[w % len(COLOURS)] for w in workers]})
+        send("loss", dict(view["loss"]))
+        markers = view["markers"]
+        send("markers", {
+            "step": [m["step"] for m in markers], "label": [m["label"] for m in markers],
+            "elapsed": [m["elapsed"] if m["elapsed"] is not None else float("nan") for m in markers]})
+        staleness = view["staleness"]
+        send("staleness", dict(staleness["over_time"]))
+        send("staleness-histogram", {"staleness": list(staleness["histogram"]),
+                                     "pushes": list(staleness["histogram"].values())})
+        if staleness["recent_mean"] is not None and staleness["recent_mean"] != self.staleness_now.value:
+            self.staleness_now.value = staleness["recent_mean"]
+        send("clock", {"newest": [view["newest_time"] or 0.0], "steps": [view["steps_received"]]})
+        # The worker table (steps, rates, last seen) changes with every step: redrawn at most once a second,
+        # at once when a worker's state changes.
+        states = [row["state"] for row in view["workers"]]
+        if self.screen.due("worker_table", 1.0, force or states != self._states):
+            self._states = states
+            self.screen.show("worker_table", self.worker_table,
+                             worker_frame(view["workers"], view["staleness"]["per_worker"]))
+
+
+def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:
+    """One row per worker: state, step, rate, last seen, staleness, divergence and GPU use."""
+    rows = []
+    for row in workers:
+        pushes = staleness.get(row["worker"], {})
+        rows.append({
+            "worker": row["worker"], "address": row["address"], "state": row["state"], "step": row["step"],
+            "samples/s": round(row.get("samples_per_s") or 0.0),
+            "last seen": f"{row['last_seen_s']:.0f} s ago" if row["last_seen_s"] is not None else "",
+            "staleness": row.get("staleness"),
+            "staleness mean": round(pushes["mean"], 2) if pushes else None,
+            "staleness max": pushes.get("max"), "steps since sync": row.get("steps_since_sync"),
+            "divergence": row.get("divergence"), "GPU memory (MB)": row.get("gpu_memory_mb"),
+            "GPU use (%)": row.get("gpu_utilization"),
+        })
+    frame = pd.DataFrame(rows)
+    # Columns that no worker reports (GPU on CPU machines, staleness under averaging) are left out.
+    return frame.dropna(axis=1, how="all") if not frame.empty else frame
