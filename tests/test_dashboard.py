@@ -112,6 +112,13 @@ def test_dashboard_follows_a_training_run_live_with_one_subscription(client, run
                 expect(page.locator(".worker-table table")).to_contain_text(address)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            # The Workers tab says which run holds each of the cluster's workers (its lease), and who waits.
+            open_tab(page, "Workers")
+            for address in run.worker_addresses:
+                expect(page.locator(".workers-table table tr", has_text=address)).to_contain_text(run.run_id,
+                                                                                                  timeout=30_000)
+            expect(page.get_by_text("0 of 2 workers free")).to_be_visible()
+            open_tab(page, "Run")
 
             # More viewers share the dashboard's one subscription to the run.
             others = [open_dashboard(browser, url, run.run_id) for _ in range(3)]

@@ -96,7 +96,7 @@ def test_random_interleavings_never_lease_a_worker_twice_and_the_queue_drains():
 
 
 def test_the_dashboards_workers_view_lists_holders_free_workers_and_the_queue():
-    from widgets.dashboard.workers import WorkersView, queue_rows, worker_rows
+    from widgets.dashboard.views.workers import WorkersView, queue_rows, worker_rows
 
     book = LeaseBook()
     book.acquire("a", "alice", "c1", 2, False, W, 0.0)
@@ -105,7 +105,7 @@ def test_the_dashboards_workers_view_lists_holders_free_workers_and_the_queue():
     assert worker_rows(view).values.tolist() == [[W[0], "a", "alice"], [W[1], "a", "alice"], [W[2], "free", ""]]
     assert queue_rows(view)[["place", "run", "owner", "workers wanted"]].values.tolist() == [[1, "b", "bob", 2]]
     drawn = WorkersView()
-    drawn.draw(view)
+    drawn.show(view)
     assert drawn.summary.object.startswith("**1 of 3 workers free**, 1 run(s) holding workers, 1 waiting")
     assert drawn.workers_table.object.equals(worker_rows(view))
 

@@ -17,9 +17,10 @@ from .details import RunDetails
 from .overview import RunOverview
 from .runs import RunsList
 from .status import StatusLine
+from .workers import WorkersView
 
 # The tabs, in order; the session opens on the second (the picked run).
-TABS = (RunsList, RunOverview, RunDetails, CompareView)
+TABS = (RunsList, RunOverview, RunDetails, CompareView, WorkersView)
 
 __all__ = ["TABS", "CompareView", "Context", "Controls", "RunDetails", "RunOverview", "RunsList", "Screen",
-           "StatusLine", "settings_json"]
+           "StatusLine", "WorkersView", "settings_json"]

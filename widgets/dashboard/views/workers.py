@@ -1,5 +1,5 @@
-"""The dashboard's Workers view: which run holds each worker of the cluster, and the runs waiting for
-workers, in order, from the lease book the hub reads (`workbench.leases.view`)."""
+"""The "Workers" tab: which run holds each worker of the cluster, and the runs waiting for workers, in
+order, from the lease book the hub reads (`workbench.leases.view`)."""
 from __future__ import annotations
 
 import datetime
@@ -7,6 +7,8 @@ from typing import Any
 
 import pandas as pd
 import panel as pn
+
+from .common import Context
 
 WORKER_COLUMNS = ["worker", "held by", "owner"]
 QUEUE_COLUMNS = ["place", "run", "owner", "workers wanted", "waiting since"]
@@ -32,7 +34,11 @@ def queue_rows(view: dict[str, Any]) -> pd.DataFrame:
 class WorkersView:
     """Two tables over the hub's lease view; redrawn only when it changed."""
 
-    def __init__(self) -> None:
+    title = "Workers"
+    scope = "runs"  # drawn at every refresh (from the hub's lease view, not the rows)
+
+    def __init__(self, context: Context | None = None) -> None:
+        self.hub = context.hub if context is not None else None
         self.workers_table = pn.pane.DataFrame(worker_rows({}), index=False, sizing_mode="stretch_width",
                                                css_classes=["workers-table"])
         self.queue_table = pn.pane.DataFrame(queue_rows({}), index=False, sizing_mode="stretch_width",
@@ -42,7 +48,11 @@ class WorkersView:
                                 self.queue_table, sizing_mode="stretch_width")
         self._shown: Any = None
 
-    def draw(self, view: dict[str, Any]) -> None:
+    def draw(self, rows: list[dict[str, Any]]) -> None:
+        if self.hub is not None:
+            self.show(self.hub.workers())
+
+    def show(self, view: dict[str, Any]) -> None:
         if view == self._shown:
             return
         self._shown = view
