@@ -4,6 +4,7 @@ A cluster started with the `dask` commands (3 workers) and teammates as their ow
 (tests/teammate.py), started at the same moment through a Dask Event, round after round (races hide);
 runs side by side, the queue, and a lease that ends with its SIGKILLed client.
 """
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 from distributed import Event, Queue, Variable
 
@@ -23,6 +25,8 @@ from helpers import dask_cluster_on_loopback, end_processes, wait_until
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 TEAMMATE = str(Path(__file__).with_name("teammate.py"))
+# The scheduler of the last test cannot import this file: its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ROUNDS = 6  # the last one queues instead of refusing
 
 
@@ -205,3 +209,31 @@ def test_a_lease_ends_with_its_sigkilled_client_and_the_workers_train_the_next_r
         assert run.wait(120) == "finished" and run.summary()["steps_done"] == run.total_steps
     finally:
         end_processes([process])
+
+
+def test_a_scheduler_that_cannot_import_the_workbench_still_keeps_the_leases(tmp_path):
+    # A stock scheduler image: `import workbench` fails there. The lease book travels by value.
+    scheduler_file = tmp_path / "scheduler.json"
+    code = ("import sys; sys.modules['workbench'] = None; sys.argv = ['dask-scheduler', '--host', '127.0.0.1', "
+            f"'--port', '0', '--dashboard-address', ':0', '--scheduler-file', {str(scheduler_file)!r}]; "
+            "from distributed.cli.dask_scheduler import main; main()")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: scheduler_file.exists() and scheduler_file.read_text().strip(), timeout_s=60, interval_s=0.1)
+        client = workbench.connect(scheduler=json.loads(scheduler_file.read_text())["address"])
+        try:
+            assert client.run_on_scheduler(_imports_workbench) is False
+            assert leases.acquire(client, "r", "alice", 1, True)["state"] == "impossible"  # no workers yet
+            assert leases.view(client) == {"workers": {}, "free": [], "runs": {}, "queue": []}
+        finally:
+            client.close()
+    finally:
+        end_processes([process])
+
+
+def _imports_workbench(dask_scheduler=None):
+    try:
+        import workbench  # noqa: F401
+        return True
+    except ImportError:
+        return False
