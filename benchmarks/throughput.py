@@ -1,10 +1,13 @@
 """Throughput of the workbench against a plain PyTorch loop and PyTorch DDP, measured side by side.
 
 Same model (MLP 784-1024-1024-10), same synthetic data, same per-worker batch (128), one thread per
-process. Each repetition runs, in order: the plain loop in a process of its own (no cluster alive),
-DDP over gloo launched with torch.multiprocessing, then on one Dask cluster the workbench with one
-worker and with N workers under each strategy setting. Repetitions interleave; medians are reported.
-The last line printed is one JSON object with the ratios.
+process. Each repetition runs, in order: the plain loop in a process of its own (no cluster alive), N
+plain loops in N processes side by side (the machine's own limit for N workers: no communication at
+all), DDP over gloo launched with torch.multiprocessing, then on one Dask cluster the workbench with one
+worker and with N workers under each strategy setting. Repetitions interleave; medians are reported,
+against the plain loop and against the limit (on a 2-core VM whose two-process speed-up moves between
+1.6x and 2x from one hour to the next, the ratio to the limit is what stays put). The last line printed
+is one JSON object with the ratios.
 
 The parameter-server strategies (async with push_every 1 and 4, ssp with max_staleness 2, easgd, and
 async with top-k 1% compression both ways, and with dense replies) also report bytes sent and received
@@ -88,13 +91,16 @@ def _ddp_process(rank, world_size, port, steps, results):
         dist.destroy_process_group()
 
 
-def measure_plain(steps):
+def measure_plain(steps, processes=1):
+    """The plain loop's samples/s, summed over `processes` copies running side by side."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    process = context.Process(target=_plain_process, args=(steps, results))
-    process.start()
-    rate = results.get(timeout=600)
-    process.join(60)
+    started = [context.Process(target=_plain_process, args=(steps, results)) for _ in range(processes)]
+    for process in started:
+        process.start()
+    rate = sum(results.get(timeout=600) for _ in started)
+    for process in started:
+        process.join(60)
     return rate
 
 
@@ -151,12 +157,14 @@ def main() -> None:
                  {"compression": "topk", "topk_ratio": 0.01, "reply_compression": "none"})]
     if arguments.only:
         configs = [c for c in configs if arguments.only in c[0]]
-    samples: dict[str, list[float]] = {"plain": [], f"ddp x{n}": []}
+    limit = f"plain x{n} side by side"
+    samples: dict[str, list[float]] = {"plain": [], limit: [], f"ddp x{n}": []}
     extras: dict[str, dict] = {}
     for name, *_ in configs:
         samples[name] = []
     for repeat in range(arguments.repeats):
         samples["plain"].append(measure_plain(arguments.steps))
+        samples[limit].append(measure_plain(arguments.steps, n))
         samples[f"ddp x{n}"].append(measure_ddp(arguments.steps, n))
         with workbench.client_session(workers=n, dashboard_address=":0") as client:
             for name, workers, strategy, settings in configs:
@@ -169,7 +177,7 @@ def main() -> None:
     plain = medians["plain"]
     print(f"\nMLP 784-1024-1024-10, batch {BATCH}/worker, {n} workers, {arguments.repeats} repeats "
           f"(medians), {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'configuration':<36}{'samples/s':>12}{'vs plain':>10}{'sent KiB':>10}{'recv KiB':>10}"
+    print(f"{'configuration':<36}{'samples/s':>12}{'vs plain':>10}{'vs limit':>10}{'sent KiB':>10}{'recv KiB':>10}"
           f"{'staleness':>10}{'hidden':>8}")
     for name, value in medians.items():
         extra = extras.get(name, {})
@@ -177,13 +185,17 @@ def main() -> None:
         received = f"{extra['received_per_step'] / 1024:,.1f}" if extra.get("received_per_step") else ""
         stale = f"{extra['staleness_mean']:.2f}" if extra.get("staleness_mean") is not None else ""
         hidden = f"{extra['comm_hidden']:.0%}" if extra.get("comm_hidden") is not None else ""
-        print(f"{name:<36}{value:>12,.0f}{value / plain:>10.2f}{kib:>10}{received:>10}{stale:>10}{hidden:>8}")
+        print(f"{name:<36}{value:>12,.0f}{value / plain:>10.2f}{value / medians[limit]:>10.2f}{kib:>10}{received:>10}{stale:>10}{hidden:>8}")
     result = {
         "machine": f"{os.cpu_count()} cores, {platform.machine()}",
         "date": datetime.date.today().isoformat(),
         "workers": n,
         "ddp_vs_plain": medians[f"ddp x{n}"] / plain,
-        **{_key(name): value / plain for name, value in medians.items() if name not in ("plain", f"ddp x{n}")},
+        "limit_vs_plain": medians[limit] / plain,
+        "ddp_vs_limit": medians[f"ddp x{n}"] / medians[limit],
+        **{_key(name): value / plain for name, value in medians.items() if name not in ("plain", limit, f"ddp x{n}")},
+        **{_key(name).replace("_vs_plain", "_vs_limit"): value / medians[limit] for name, value in medians.items()
+           if name not in ("plain", limit, f"ddp x{n}")},
     }
     ratio = lambda a, b: medians[a] / medians[b] if a in medians and b in medians else None  # noqa: E731
     result["one_worker_vs_plain"] = ratio("workbench 1 worker", "plain")
