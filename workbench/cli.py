@@ -26,7 +26,7 @@ from .job import OPTIMIZERS, Job
 from .models import mlp
 from . import checkpoint as checkpoints
 from .run import resume, train
-from .compression import COMPRESSIONS
+from .setting_flags import add_setting_flags, chosen_settings
 from .strategies import STRATEGIES, make_settings, suggested_sgd
 
 EXIT_FAILED = 1
@@ -50,17 +50,7 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
                      help="SGD momentum (default: the strategy's: 0.4 for async/ssp, 0.9 for the others)")
     run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
-    run.add_argument("--period", type=_positive_int, default=None,
-                     help="steps between averages ('average') or elastic exchanges ('easgd')")
-    run.add_argument("--push-every", type=_positive_int, default=None, help="steps between pushes ('async', 'ssp')")
-    run.add_argument("--max-staleness", type=int, default=None, help="SSP bound in clocks ('ssp'; 0 = BSP)")
-    run.add_argument("--alpha", type=_positive_float, default=None, help="elastic pull strength ('easgd')")
-    run.add_argument("--shards", type=_positive_int, default=None, help="parameter-server shards")
-    run.add_argument("--compression", default=None, choices=COMPRESSIONS,
-                     help="what travels to the server, and back unless --reply-compression says otherwise")
-    run.add_argument("--reply-compression", default=None, choices=COMPRESSIONS,
-                     help="what the server sends back (default: as --compression)")
-    run.add_argument("--topk-ratio", type=_positive_float, default=None, help="fraction sent by --compression topk")
+    add_setting_flags(run)  # --period, --push-every, ...: one per setting of every strategy
     run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
     run.add_argument("--seed", type=int, default=0)
@@ -150,7 +140,7 @@ def _train(arguments: argparse.Namespace) -> int:
         epochs=arguments.epochs if arguments.epochs or arguments.steps else DEFAULT_EPOCHS, steps=arguments.steps,
         lr=lr, seed=arguments.seed,
     )
-    settings = {name: getattr(arguments, name) for name in SETTING_FLAGS if getattr(arguments, name) is not None}
+    settings = chosen_settings(arguments)
     job.prepare()  # refuse bad values before a cluster is started
     make_settings(arguments.strategy, settings)
     return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
@@ -202,9 +192,6 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
 # Command-line flags that are train() options for checkpoints, lost and joining workers, and the queue.
 FAULT_TOLERANCE_FLAGS = ("checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
                          "collective_timeout_s", "queue")
-# Command-line flags that are strategy settings (checked against the chosen strategy's settings).
-SETTING_FLAGS = ("period", "push_every", "max_staleness", "alpha", "shards", "compression", "reply_compression",
-                 "topk_ratio")
 
 
 def _follow(run: Any, disable: bool) -> None:

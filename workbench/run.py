@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import getpass
-import importlib
 import json
 import math
 from queue import Empty, SimpleQueue
