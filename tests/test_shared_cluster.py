@@ -170,7 +170,7 @@ def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(
         with pytest.raises(workbench.ConfigError, match=r"3 run\(s\) wait for workers ahead"):
             workbench.train(short_job(), "allreduce", client=client, workers=1, run_dir=tmp_path)
         later.stop()  # leaves the queue without ever starting
-        assert later.wait(30) == "stopped" and not hasattr(later, "directory")
+        assert later.wait(30) == "stopped" and later.directory is None
         assert [w["run_id"] for w in leases.view(client)["queue"]][:1] == [waiting.run_id]
         first.wait_for_step(5)
         stopping = time.time()

@@ -17,6 +17,7 @@ import ipywidgets as ipw
 
 import workbench
 from workbench.averaging import WIRE_DTYPES
+from workbench.lifecycle import FINISHED_STATES
 from workbench.compression import COMPRESSIONS
 from workbench.strategies import STRATEGIES, get_strategy
 
@@ -215,7 +216,7 @@ class ControlPanel:
         self.title.value = (f"<b>{html.escape(str(s['run_id'] or 'new run'))}</b> &nbsp; strategy "
                             f"<b>{html.escape(s['strategy'])}</b> &nbsp; <span style='color:{colour}'><b>{status}</b>"
                             f"</span> &nbsp; {s['samples_per_s']:,.0f} samples/s")
-        self.start_button.disabled = not (status == "created" or status in workbench.run.FINISHED_STATES)
+        self.start_button.disabled = not (status == "created" or status in FINISHED_STATES)
         self.start_button.description = "Start" if status == "created" else "New run"
         self.pause_button.disabled = status != "running"
         self.resume_button.disabled = status != "paused"

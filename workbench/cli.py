@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import cluster as cluster_module
 from . import extensions
+from .checks import check_positive_int, check_positive_number
 from .arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
 from .data import as_source, resolve_dataset
 from .errors import ConfigError, WorkbenchError
@@ -250,21 +251,18 @@ def _shape_of(source: Any) -> tuple[int, int]:
     return int(inputs[0].numel()), int(targets.max()) + 1
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _flag_type(convert: Any, check: Any, allowed: str) -> Any:
+    """An argparse type: the text converted, then checked by the same check the Python API uses."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+            check("value", value)
+        except (ValueError, ConfigError):
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return value
+_positive_int = _flag_type(int, check_positive_int, "an integer >= 1")
+_positive_float = _flag_type(float, check_positive_number, "a finite number > 0")

@@ -7,7 +7,6 @@ the normalised pieces the workers need, so a bad value fails at once with a mess
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import cloudpickle
@@ -16,6 +15,7 @@ from torch import nn
 
 from .data import DataSource, Splits, as_source, resolve_dataset
 from .datacheck import check_data
+from .checks import check_number
 from .errors import ConfigError
 
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
@@ -100,20 +100,20 @@ class Job:
                 raise ConfigError("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)} or a function")
         elif not callable(self.optimizer):
             raise ConfigError("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)} or a function")
-        _check_number("momentum", self.momentum, minimum=0.0, below=1.0, integer=False)
+        check_number("momentum", self.momentum, minimum=0.0, below=1.0, integer=False)
         check_lr(self.lr)
-        _check_number("batch_size", self.batch_size, minimum=1, integer=True)
-        _check_number("seed", self.seed, minimum=0, integer=True)
+        check_number("batch_size", self.batch_size, minimum=1, integer=True)
+        check_number("seed", self.seed, minimum=0, integer=True)
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("steps", self.steps, f"None when epochs={self.epochs!r} is given",
                               "Give either epochs (passes over each worker's shard) or steps (per worker), not both")
         if self.steps is None:
             if self.epochs is not None:
-                _check_number("epochs", self.epochs, minimum=1, integer=True)
+                check_number("epochs", self.epochs, minimum=1, integer=True)
         else:
-            _check_number("steps", self.steps, minimum=1, integer=True)
+            check_number("steps", self.steps, minimum=1, integer=True)
         if self.eval_every is not None:
-            _check_number("eval_every", self.eval_every, minimum=1, integer=True)
+            check_number("eval_every", self.eval_every, minimum=1, integer=True)
         if self.device not in DEVICES:
             raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
         check_data("data", train, sample_model, self.loss, loss_function(self), self.batch_size)
@@ -169,23 +169,8 @@ def loss_function(job: Job) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
 
 def check_lr(lr: Any) -> float:
     """A learning rate, checked (ConfigError otherwise): for jobs, and for changes while a run trains."""
-    _check_number("lr", lr, minimum=0.0, integer=False, strictly=True)
+    check_number("lr", lr, minimum=0.0, integer=False, strictly=True)
     return float(lr)
-
-
-def _check_number(parameter: str, value: Any, minimum: float, integer: bool, strictly: bool = False,
-                  below: float | None = None) -> None:
-    kind = "an integer" if integer else "a number"
-    bound = f"> {minimum}" if strictly else f">= {minimum}"
-    allowed = f"{kind} {bound}" + (f" and < {below}" if below is not None else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(parameter, value, allowed)
-    if integer and not float(value).is_integer():
-        raise ConfigError(parameter, value, allowed)
-    if not math.isfinite(value) or value < minimum or (strictly and value == minimum):
-        raise ConfigError(parameter, value, allowed)
-    if below is not None and value >= below:
-        raise ConfigError(parameter, value, allowed)
 
 
 def _short_repr(value: Any) -> str:

@@ -5,13 +5,15 @@ the moment the scheduler learns of them (a killed worker process closes its conn
 known within about a second). Not the scheduler's own `all` topic: it also carries events the scheduler
 cannot serialise for a client (measured: a failed task's event holding a `WorkerState` closed the
 subscribed client's connection). Dask keeps one handler per topic and client, so one dispatcher per
-client serves every run of that client.
+client serves every run of that client. `Roster` keeps one run's account of it: workers lost, joined.
 """
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from queue import Empty, SimpleQueue
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -83,3 +85,36 @@ def watch(client: Any, listener: Listener) -> Callable[[], None]:
                 dispatcher.listeners.remove(listener)
 
     return stop
+
+
+class Roster:
+    """One run's view of membership: the changes heard (queued on the client's event loop, where
+    publishing cannot block), the run's workers the scheduler removed, and workers that joined."""
+
+    def __init__(self) -> None:
+        self._changes: SimpleQueue = SimpleQueue()
+        self.lost: set[str] = set()  # addresses of the run's workers the scheduler removed
+        self.joined: list[str] = []  # workers that joined the cluster during the run
+
+    def heard(self, action: str, address: str) -> None:
+        """The listener given to `watch`: notes the change for `take` at the supervisor's next tick."""
+        self._changes.put((action, address, time.time()))
+
+    def take(self, training: list[str], on_lost: Callable[[str, float], None],
+             on_joined: Callable[[str, float], None]) -> None:
+        """Go through the changes heard: a removed worker of `training` is lost (once); an added one not
+        training has joined (a worker back on the same address is a new one)."""
+        while True:
+            try:
+                action, address, when = self._changes.get_nowait()
+            except Empty:
+                return
+            if action == "remove-worker":
+                self.joined = [a for a in self.joined if a != address]
+                if address in training and address not in self.lost:
+                    self.lost.add(address)
+                    on_lost(address, when)
+            elif action == "add-worker" and address not in training:
+                self.lost.discard(address)
+                self.joined.append(address)
+                on_joined(address, when)

@@ -24,6 +24,7 @@ import panel as pn
 from workbench import cluster as cluster_module
 from workbench.arguments import OneLineParser, add_tls_arguments, tls_security
 from workbench.collectives import find_free_port
+from workbench.checks import check_number
 from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
 from .access import Access, load_credentials, policy
@@ -113,8 +114,7 @@ def _own_client(client: Any) -> Any:
 
 
 def _checked_refresh(refresh_ms: Any) -> int:
-    if isinstance(refresh_ms, bool) or not isinstance(refresh_ms, int) or refresh_ms < 100:
-        raise ConfigError("refresh_ms", refresh_ms, "an integer number of milliseconds >= 100")
+    check_number("refresh_ms", refresh_ms, 100, integer=True, unit="milliseconds")
     return refresh_ms
 
 

@@ -22,7 +22,8 @@ import torch
 
 from .. import collectives
 from ..averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
-from .base import Strategy, StrategySettings, TrainingContext, check_positive_number, check_wire_dtype
+from ..checks import check_positive_number
+from .base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 
 @dataclasses.dataclass

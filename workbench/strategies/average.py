@@ -32,8 +32,8 @@ from .. import collectives
 from ..averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
                          optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
 from ..errors import ConfigError
-from .base import (Carried, Strategy, StrategySettings, TrainingContext, check_positive_int, check_positive_number,
-                   check_wire_dtype)
+from ..checks import check_positive_int, check_positive_number
+from .base import Carried, Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 
 @dataclasses.dataclass

@@ -6,7 +6,6 @@ A strategy decides how workers combine their results. It never owns the loop; it
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -164,16 +163,6 @@ def build_settings(strategy_class: type[Strategy], values: dict[str, Any]) -> St
     settings = settings_class(**values)
     settings.validate()
     return settings
-
-
-def check_positive_int(parameter: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(parameter, value, "an integer >= 1")
-
-
-def check_positive_number(parameter: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(parameter, value, "a finite number > 0")
 
 
 def check_wire_dtype(parameter: str, value: Any) -> None:

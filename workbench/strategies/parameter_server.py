@@ -30,8 +30,8 @@ from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add
 from ..errors import ConfigError
 from ..replies import KnownWeights
 from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies, start_parameter_server
-from .base import (Carried, Strategy, StrategySettings, TrainingContext, check_positive_int,
-                   check_positive_number)
+from ..checks import check_positive_int, check_positive_number
+from .base import Carried, Strategy, StrategySettings, TrainingContext
 
 
 @dataclasses.dataclass
