@@ -11,7 +11,7 @@ import re
 import pytest
 
 from workbench import cli
-from workbench.health import WARNING_KIND
+from workbench.kinds import TRAINING_WARNING
 from workbench.rundir import read_metrics
 from workbench.strategies import STRATEGIES
 
@@ -49,7 +49,7 @@ def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_p
     assert float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1)) < 0.5
     assert "warning: the training loss" in out and "momentum 0.4-0.6" in out
     records = read_metrics(next(tmp_path.iterdir()))
-    warnings = [r for r in records if r["kind"] == WARNING_KIND]
+    warnings = [r for r in records if r["kind"] == TRAINING_WARNING]
     steps = [r for r in records if r["kind"] == "step"]
     assert warnings and {w["reason"] for w in warnings} <= {"not-learning", "loss-climbing"}
     # Said while the run trained: steps followed the warning on disk.

@@ -1,7 +1,8 @@
 """The loss watch (pure): a run that does not learn, or whose loss climbs, is said to be so once."""
 import math
 
-from workbench.health import WARNING_KIND, LossWatch
+from workbench.health import LossWatch
+from workbench.kinds import TRAINING_WARNING as WARNING_KIND
 from workbench.metrics import MetricsTable, control_markers
 
 

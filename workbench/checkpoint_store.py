@@ -14,6 +14,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
+from . import kinds
 from . import checkpoint as checkpoints
 
 
@@ -78,7 +79,7 @@ class CheckpointStore:
     def store(self, checkpoint: dict[str, Any]) -> None:
         """Write a checkpoint atomically unless it holds NaN or infinity (the last good one is kept)."""
         if not checkpoints.all_finite(checkpoint["weights"]):
-            self.publish({"kind": "checkpoint-refused", "time": time.time(), "step": checkpoint["step"],
+            self.publish({"kind": kinds.CHECKPOINT_REFUSED, "time": time.time(), "step": checkpoint["step"],
                           "reason": "non-finite weights"})
             return
         with self._lock:
@@ -89,5 +90,5 @@ class CheckpointStore:
             self.latest = checkpoint
             self.info = {"step": checkpoint["step"], "path": str(self.path), "written": time.time(),
                          "generation": checkpoint.get("generation")}
-        self.publish({"kind": "checkpoint", "time": time.time(), "step": checkpoint["step"], "path": str(self.path),
+        self.publish({"kind": kinds.CHECKPOINT, "time": time.time(), "step": checkpoint["step"], "path": str(self.path),
                       "generation": checkpoint.get("generation"), "final": checkpoint.get("final", False)})

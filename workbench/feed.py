@@ -14,11 +14,11 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
+from . import kinds
 from .health import LossWatch
 from .metrics import MetricsTable, expand, topic
 from .registry import RUNS_TOPIC
 
-ENDED_KINDS = ("worker-finished", "worker-failed", "worker-left")  # a rank is done with its group
 
 
 class RunFeed:
@@ -50,15 +50,15 @@ class RunFeed:
         self.table.add(records)
         self.directory.append(records)
         kind = message.get("kind")
-        if kind == "steps" and self.loss_watch is not None:
+        if kind == kinds.STEPS and self.loss_watch is not None:
             for record in records:
                 warning = self.loss_watch.observe(record)
                 if warning is not None:  # published by the supervisor: no blocking calls on this thread
                     self._warnings.put({**warning, "time": time.time(), "strategy": record.get("strategy")})
-        if kind == "checkpoint-ready":
+        if kind == kinds.CHECKPOINT_READY:
             self.on_checkpoint_ready(message)
         with self.changed:  # wakes `wait_for_step`, `wait_for_event` and the supervisor
-            if kind in ENDED_KINDS and message.get("generation", self.generation) == self.generation:
+            if kind in kinds.RANK_ENDED and message.get("generation", self.generation) == self.generation:
                 self.finished_ranks.add(message["rank"])
             self.changed.notify_all()
 

@@ -12,7 +12,8 @@ import collections
 import math
 from typing import Any
 
-WARNING_KIND = "training-warning"
+from . import kinds
+
 
 CLIMB_FACTOR = 2.0  # a recent loss this many times the starting loss ...
 CLIMB_MARGIN = 0.5  # ... and at least this much above it (small losses are noisy in ratio) is climbing
@@ -64,7 +65,7 @@ class LossWatch:
 
     def _warn(self, reason: str, step: int, recent: float, what: str) -> dict[str, Any]:
         self.raised.add(reason)
-        return {"kind": WARNING_KIND, "reason": reason, "step": step, "loss": recent, "baseline": self.baseline,
+        return {"kind": kinds.TRAINING_WARNING, "reason": reason, "step": step, "loss": recent, "baseline": self.baseline,
                 "message": f"{what}. {self.hint()}"}
 
     def hint(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from .health import WARNING_KIND
+from . import kinds
 
 STEP_FIELDS = ("worker", "step", "epoch", "time", "loss", "samples", "compute_s", "comm_s", "wait_s", "lr", "strategy")
 
@@ -52,13 +52,13 @@ class MetricsSender:
         self._last_flush = self._clock()
         if self._pending:
             records, self._pending = self._pending, []
-            self._send({"kind": "steps", "rank": self._worker, "records": records})
+            self._send({"kind": kinds.STEPS, "rank": self._worker, "records": records})
 
 
 def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One event-log message to flat records, each with a `kind` ('step', 'eval', lifecycle kinds)."""
-    if message.get("kind") == "steps":
-        return [{"kind": "step", **record} for record in message["records"]]
+    if message.get("kind") == kinds.STEPS:
+        return [{"kind": kinds.STEP, **record} for record in message["records"]]
     record = {key: value for key, value in message.items() if key != "rank"}
     if "worker" in record:
         record["address"] = record["worker"]
@@ -91,7 +91,7 @@ class MetricsTable:
         with self._lock:
             self.version += 1
             for record in records:
-                if record.get("kind") == "step":
+                if record.get("kind") == kinds.STEP:
                     self._steps.append(record)
                     self._latest[record["worker"]] = record
                     self.steps_received += 1
@@ -158,8 +158,8 @@ class MetricsTable:
             staleness_time = _means(self._staleness_by_second)
             divergence = _means(self._divergence_by_step)
             evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
-                           for r in self._other if r.get("kind") == "eval"]
-            warnings = [r["message"] for r in self._other if r.get("kind") == WARNING_KIND]
+                           for r in self._other if r.get("kind") == kinds.EVAL]
+            warnings = [r["message"] for r in self._other if r.get("kind") == kinds.TRAINING_WARNING]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
@@ -206,7 +206,7 @@ class MetricsTable:
             return [r for r in self._other if kind is None or r.get("kind") == kind]
 
     def evaluations(self) -> pd.DataFrame:
-        return pd.DataFrame(self.events("eval"))
+        return pd.DataFrame(self.events(kinds.EVAL))
 
     def last_steps(self) -> dict[int, dict[str, Any]]:
         """The latest step record of each worker."""
@@ -257,9 +257,9 @@ def _fractions(totals: dict[str, Any]) -> dict[str, float]:
     return {part: totals[f"{part}_s"] / whole for part in ("compute", "comm", "wait")}
 
 # Worker lifecycle events and the state each leaves the worker in.
-WORKER_STATES = {"worker-started": "running", "paused": "paused", "resumed": "running",
-                 "worker-finished": "finished", "worker-failed": "failed", "worker-lost": "lost",
-                 "worker-left": "left"}
+WORKER_STATES = {kinds.WORKER_STARTED: "running", kinds.PAUSED: "paused", kinds.RESUMED: "running",
+                 kinds.WORKER_FINISHED: "finished", kinds.WORKER_FAILED: "failed", kinds.WORKER_LOST: "lost",
+                 kinds.WORKER_LEFT: "left"}
 
 
 def downsample(xs: list[float], ys: list[float], max_points: int) -> tuple[list[float], list[float]]:
@@ -278,20 +278,20 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     markers = []
     for event in events:
         kind = event.get("kind")
-        if kind == WARNING_KIND:  # the loss watch's (health.py)
+        if kind == kinds.TRAINING_WARNING:  # the loss watch's (health.py)
             markers.append({"kind": kind, "step": event["step"], "time": event.get("time"),
                             "label": f"warning: {event['reason']}"})
             continue
-        if kind in ("worker-lost", "regrouped"):  # the run's own events: lost workers and regroups
+        if kind in (kinds.WORKER_LOST, kinds.REGROUPED):  # the run's own events: lost workers and regroups
             marker = _membership_marker(event)
             if marker is not None:
                 markers.append(marker)
             continue
-        if event.get("worker") != 0 or kind not in ("switched", "changed", "paused", "resumed"):
+        if event.get("worker") != 0 or kind not in (kinds.SWITCHED, kinds.CHANGED, kinds.PAUSED, kinds.RESUMED):
             continue
-        if kind == "switched":
+        if kind == kinds.SWITCHED:
             label = f"{event['from']} -> {event['to']}"
-        elif kind == "changed":
+        elif kind == kinds.CHANGED:
             parts = [f"lr {event['lr']:g}"] if "lr" in event else []
             label = ", ".join(parts + [f"{key} {value}" for key, value in (event.get("settings") or {}).items()])
         else:
@@ -301,7 +301,7 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _membership_marker(event: dict[str, Any]) -> dict[str, Any] | None:
-    if event["kind"] == "worker-lost":
+    if event["kind"] == kinds.WORKER_LOST:
         step, label = event.get("step"), f"lost {event.get('address', 'a worker')}"
     else:
         step = event.get("from_step")

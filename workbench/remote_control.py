@@ -12,6 +12,7 @@ import time
 from queue import SimpleQueue
 from typing import Any
 
+from . import kinds
 from .errors import ConfigError
 from .metrics import topic
 from .registry import CONTROL_ACTIONS, requests_topic
@@ -51,7 +52,7 @@ class RequestServer:
             outcome: dict[str, Any] = {"ok": True, "error": None}
         except Exception as error:
             outcome = {"ok": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
-        message = {"kind": "control-request", "time": time.time(), "action": action, "arguments": arguments,
+        message = {"kind": kinds.CONTROL_REQUEST, "time": time.time(), "action": action, "arguments": arguments,
                    "by": request.get("by"), "request_id": request.get("request_id"), **outcome}
         try:
             run.client.log_event(topic(run.run_id), message)

@@ -24,6 +24,7 @@ import cloudpickle
 import torch
 from distributed import Client
 
+from . import kinds
 from . import checkpoint as checkpoints
 from . import membership
 from .checkpoint_store import CheckpointStore
@@ -234,7 +235,7 @@ class Run(RunViews):
         addresses = self.placement.request(wanted, self.queue)
         if addresses is None:  # waits in the queue: the supervisor starts it when its workers are free
             self.lifecycle.move("queued")
-            self.announce("run-queued", owner=self.owner, world_size=wanted, queued=self._requested_at,
+            self.announce(kinds.RUN_QUEUED, owner=self.owner, world_size=wanted, queued=self._requested_at,
                           position=self.placement.position, waiting=self.waiting())
         else:
             try:
@@ -268,7 +269,7 @@ class Run(RunViews):
         self.directory.write_json(CONFIG_FILE, self.config)
         if not resumed:
             self._save_job()
-        beginning = [{"kind": "run-resumed" if resumed else "run-started", "time": time.time(),
+        beginning = [{"kind": kinds.RUN_RESUMED if resumed else kinds.RUN_STARTED, "time": time.time(),
                       "strategy": self.strategy, "settings": dataclasses.asdict(settings),
                       **({"from_step": self._resume_from["step"]} if resumed else {})}]
         self.directory.append(beginning)
@@ -288,7 +289,7 @@ class Run(RunViews):
                                          strategy=self.strategy, momentum=self.job.momentum)
         self.directory.write_json(CONFIG_FILE, self.config)
         self.lifecycle.move("running")
-        self.announce("run-registered", **json.loads(json.dumps(self.config, default=str)))
+        self.announce(kinds.RUN_REGISTERED, **json.loads(json.dumps(self.config, default=str)))
         threading.Thread(target=self.checkpoints.write_ready, name=f"workbench-checkpoints-{self.run_id}",
                          args=(client, self.run_id, self.collective_timeout_s, self._rank_zero), daemon=True).start()
 
@@ -362,7 +363,7 @@ class Run(RunViews):
         if not self.done:
             self.control.update(paused=True)
             if self.lifecycle.move("paused", only_from=("running", "paused")):
-                self.announce("run-status")
+                self.announce(kinds.RUN_STATUS)
 
     def resume(self) -> None:
         if self.status in ("created", "queued"):
@@ -370,7 +371,7 @@ class Run(RunViews):
         if not self.done:
             self.control.update(paused=False)
             if self.lifecycle.move("running", only_from=("running", "paused")):
-                self.announce("run-status")
+                self.announce(kinds.RUN_STATUS)
 
     def stop(self) -> None:
         """End the run cleanly: workers finish their step, synchronise, and the final weights are kept.
@@ -387,7 +388,7 @@ class Run(RunViews):
         lr = check_lr(lr)
         self._require_running()
         self.control.update(lr=lr)
-        self.directory.append([{"kind": "control", "time": time.time(), "lr": lr}])
+        self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), "lr": lr}])
 
     def update(self, **settings: Any) -> None:
         """Change strategy settings that may change live (e.g. `period` for 'average')."""
@@ -399,7 +400,7 @@ class Run(RunViews):
         self._require_running()
         make_settings(self.strategy, {**self.control.state.settings, **settings})  # validates values
         self.control.update(settings=settings)
-        self.directory.append([{"kind": "control", "time": time.time(), **settings}])
+        self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), **settings}])
 
     def switch(self, strategy: str, **settings: Any) -> None:
         """Switch every worker to `strategy` (with `settings`, defaults for the rest) while the run trains.
@@ -416,9 +417,9 @@ class Run(RunViews):
         strategy_class.check_world(validated, len(self.worker_addresses))
         state = self.control.switch(strategy, dataclasses.asdict(validated))
         self.strategy = strategy
-        self.directory.append([{"kind": "control", "time": time.time(), "switch_id": state.switch_id,
+        self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), "switch_id": state.switch_id,
                                 "strategy": strategy, "settings": dataclasses.asdict(validated)}])
-        self.announce("run-status", settings=dataclasses.asdict(validated))
+        self.announce(kinds.RUN_STATUS, settings=dataclasses.asdict(validated))
 
     def checkpoint(self, timeout: float = 60.0) -> dict[str, Any]:
         """Take a checkpoint now (all workers at one step) and return where it was written."""

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from . import kinds
 from .data import as_source
 from .errors import ConfigError, TrainingError
 from .evaluation import evaluate
-from .health import WARNING_KIND
 from .job import loss_function
 from .metrics import communication_summary, control_markers, staleness_summary, time_split
 
@@ -105,7 +105,7 @@ class RunViews:
 
     def warnings(self) -> list[str]:
         """What the loss watch said about this run (not learning, loss climbing), oldest first."""
-        return [event["message"] for event in self.table.events(WARNING_KIND)]
+        return [event["message"] for event in self.table.events(kinds.TRAINING_WARNING)]
 
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, histogram (parameter-server strategies)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from distributed.scheduler import KilledWorker
 
+from . import kinds
 from . import regroup
 from .errors import ConfigError, DivergenceError
 from .launcher import FutureWatch, LaunchOptions, check_batch_fits, launch
@@ -58,13 +59,13 @@ class Supervisor:
         group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
         run.group = group
         run.checkpoints.restart_timer()
-        run.feed.publish({"kind": "generation-started", "time": time.time(), "generation": generation,
+        run.feed.publish({"kind": kinds.GENERATION_STARTED, "time": time.time(), "generation": generation,
                           "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
                           "start_step": group.start_step, "total_steps": group.total_steps})
         if checkpoint is not None and checkpoint.get("strategy") not in (None, state.strategy):
             # A switch asked for while the old group broke up is made as the new group starts: recorded
             # as rank 0's, as a switch made by the workers is, so that every view marks it.
-            run.feed.publish({"kind": "switched", "rank": 0, "time": time.time(), "step": group.start_step,
+            run.feed.publish({"kind": kinds.SWITCHED, "rank": 0, "time": time.time(), "step": group.start_step,
                               "from": checkpoint["strategy"], "to": state.strategy, "settings": state.settings,
                               "generation": generation, "at_regroup": True})
 
@@ -81,7 +82,7 @@ class Supervisor:
             if run.directory is None:  # it never started: nothing was written
                 run.error = f"starting the run failed: {type(error).__name__}: {error}"
                 run.lifecycle.move("failed")
-                run.announce("run-status", error=run.error)
+                run.announce(kinds.RUN_STATUS, error=run.error)
             elif self._scheduler_lost(error):
                 run.error = self._scheduler_lost_message()
             else:
@@ -114,7 +115,7 @@ class Supervisor:
             if not stopped:
                 run.error = "the run lost its place in the queue (its client's connection to the scheduler ended)"
             run.lifecycle.move("stopped" if stopped else "failed")
-            run.announce("run-status", error=run.error)
+            run.announce(kinds.RUN_STATUS, error=run.error)
             return False
         run.begin(addresses)
         if run.stop_requested:  # stopped while it was being started
@@ -148,7 +149,7 @@ class Supervisor:
         if verdict.action == "regroup":
             self.regroup_to = None
             run.control.update(stop=False, regroup=False)
-            run.feed.publish({"kind": "regrouped", "time": time.time(), "generation": run.generation + 1,
+            run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                               "workers": list(verdict.workers), "reason": "workers joined", "from_step": final["step"]})
             return list(verdict.workers), final
         run.final_weights = results[0]["state_dict"]
@@ -196,7 +197,7 @@ class Supervisor:
             self._end_run("failed")
             return None
         run.control.update(stop=False, regroup=False)
-        run.feed.publish({"kind": "regrouped", "time": time.time(), "generation": run.generation + 1,
+        run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                           "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
                           "reason": "workers lost"})
         return list(verdict.workers), checkpoint
@@ -260,12 +261,12 @@ class Supervisor:
         run.lifecycle.move(status)
         if status != "failed" and run.final_weights is not None:
             run.directory.save_model(run.final_weights)
-        run.directory.append([{"kind": f"run-{run.status}", "time": time.time(), "error": run.error}])
+        run.directory.append([{"kind": kinds.RUN_ENDED_AS[run.status], "time": time.time(), "error": run.error}])
         summary = run.summary()
         run.directory.write_json(SUMMARY_FILE, summary)
         run.directory.close()
         if connected:
-            run.announce("run-status", samples_per_s=summary.get("samples_per_s"), error=run.error)
+            run.announce(kinds.RUN_STATUS, samples_per_s=summary.get("samples_per_s"), error=run.error)
 
     # --- membership: lost and joining workers ---------------------------------------------------------
 
@@ -273,7 +274,7 @@ class Supervisor:
         run = self.run
         self.roster.take(run.worker_addresses, lambda address, when: self._publish_lost(address, when,
                                                                                          "the scheduler removed the worker"),
-                         lambda address, when: run.feed.publish({"kind": "worker-joined", "time": when,
+                         lambda address, when: run.feed.publish({"kind": kinds.WORKER_JOINED, "time": when,
                                                                  "address": address, "added": run.auto_join}))
 
     def _record_lost(self, address: str, when: float, reason: str) -> None:
@@ -284,7 +285,7 @@ class Supervisor:
         run = self.run
         rank = run.worker_addresses.index(address)
         last = run.table.last_steps().get(rank, {})
-        run.feed.publish({"kind": "worker-lost", "time": when, "rank": rank, "address": address,
+        run.feed.publish({"kind": kinds.WORKER_LOST, "time": when, "rank": rank, "address": address,
                           "generation": run.generation, "step": last.get("step"), "reason": reason})
 
     def add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
@@ -317,7 +318,7 @@ class Supervisor:
             run.placement.give_back(added)
             if not automatic:
                 raise
-            run.feed.publish({"kind": "join-refused", "time": time.time(), "workers": new, "reason": str(error)})
+            run.feed.publish({"kind": kinds.JOIN_REFUSED, "time": time.time(), "workers": new, "reason": str(error)})
             return list(run.worker_addresses)
         self.regroup_to = following
         run.control.update(stop=True, regroup=True)

@@ -20,6 +20,7 @@ import torch
 from distributed import get_client, get_worker, secede
 from distributed.comm import get_address_host
 
+from . import kinds
 from . import collectives
 from .averaging import fingerprint, flatten
 from .checkpoint import all_finite, data_position, leave_snapshot
@@ -92,10 +93,10 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender)
     poller.after_each_poll(loop.break_group_if_ended)
     try:
-        sender.event("worker-started", address=worker.address, pid=os.getpid(), host=socket.gethostname(),
+        sender.event(kinds.WORKER_STARTED, address=worker.address, pid=os.getpid(), host=socket.gethostname(),
                      generation=task.generation, start_step=task.start_step, allocator_tuned=allocator_tuned)
         result = loop.run(train_data, eval_data, resume_from)
-        sender.event("worker-finished", steps=result["steps"], stopped=result["stopped"], generation=task.generation,
+        sender.event(kinds.WORKER_FINISHED, steps=result["steps"], stopped=result["stopped"], generation=task.generation,
                      weights=result["weights"])
         return result
     except BaseException as error:
@@ -106,14 +107,14 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
             _leave(loop, abandoned=True)
             superseded = loop.await_verdict(min(VERDICT_WAIT_S, task.collective_timeout_s))
         if not superseded:
-            sender.event("worker-failed", step=loop.step, error=f"{type(error).__name__}: {error}",
+            sender.event(kinds.WORKER_FAILED, step=loop.step, error=f"{type(error).__name__}: {error}",
                          traceback=traceback.format_exc(), generation=task.generation)
             raise
         # The client ended this group (another worker failed or was lost): whatever this worker was
         # waiting on broke because of that, so it leaves rather than report a failure of its own.
         if loop.strategy is not None:
             loop.strategy.abandoned = True  # no goodbyes to services that may be gone with the lost worker
-        sender.event("worker-left", step=loop.step, generation=task.generation,
+        sender.event(kinds.WORKER_LEFT, step=loop.step, generation=task.generation,
                      error=None if isinstance(error, _Superseded) else f"{type(error).__name__}: {error}")
         return {"rank": task.rank, "steps": loop.step, "stopped": True, "superseded": True, "state_dict": None,
                 "checkpoint": None}
@@ -346,7 +347,7 @@ class _Loop:
         if final:
             return checkpoint
         leave_snapshot(self.task.run_id, checkpoint)
-        self.sender.event("checkpoint-ready", step=self.step, generation=self.task.generation,
+        self.sender.event(kinds.CHECKPOINT_READY, step=self.step, generation=self.task.generation,
                           took_s=time.perf_counter() - started)
         return None
 
@@ -425,7 +426,7 @@ class _Loop:
         self.strategy, self.applied_switch, self.pending = new, request.switch_id, None
         # The fingerprints let anyone check from the metrics that every worker starts the new strategy
         # from the same, carried-over weights.
-        self.sender.event("switched", step=self.step, switch_id=request.switch_id, settings=dataclasses.asdict(settings),
+        self.sender.event(kinds.SWITCHED, step=self.step, switch_id=request.switch_id, settings=dataclasses.asdict(settings),
                           took_s=time.perf_counter() - started, carried_optimizer_state=sorted(carried.optimizer_state),
                           weights_before=before, weights_after=fingerprint(flatten(list(context.model.parameters()))),
                           **{"from": old.name, "to": new.name})
@@ -490,12 +491,12 @@ class _Loop:
                     return interval
             if not control.paused or control.stop:
                 break
-            self.sender.event("paused", step=self.step)
+            self.sender.event(kinds.PAUSED, step=self.step)
             while (control.paused and not control.stop and control.switch_id <= self.applied_switch
                    and control.checkpoint_id <= self.known_checkpoint and not self.superseded()):
                 control, interval = self._agree(self.poller.wait_for_change(control.version, PAUSE_POLL_S))
             if not control.paused and not control.stop:
-                self.sender.event("resumed", step=self.step)
+                self.sender.event(kinds.RESUMED, step=self.step)
         if control.stop:
             raise _StopRequested
         if control.version > self.control.version:
@@ -516,7 +517,7 @@ class _Loop:
                 # unlike the timing-based interval only rank 0 computes).
                 interval = self.strategy.control_alignment()
         if changes:
-            self.sender.event("changed", step=self.step, strategy=self.strategy.name, **changes)
+            self.sender.event(kinds.CHANGED, step=self.step, strategy=self.strategy.name, **changes)
         return interval
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:
@@ -537,7 +538,7 @@ class _Loop:
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
                   epoch: int, final: bool = False) -> None:
         result = evaluate(model, evaluation, loss_fn, device)
-        self.sender.event("eval", step=self.step, epoch=epoch, final=final, **result)
+        self.sender.event(kinds.EVAL, step=self.step, epoch=epoch, final=final, **result)
 
 
 def _resolve_device(requested: str) -> torch.device:

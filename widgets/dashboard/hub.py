@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workbench import kinds
 from workbench import leases, membership
 from workbench.metrics import MetricsTable, control_markers, expand, topic
 from workbench.registry import RUNS_TOPIC, send_control_request
@@ -115,7 +116,7 @@ class RunFeed:
 
     def best_metric(self) -> tuple[str, float] | None:
         """The best held-out accuracy (or, without one, the lowest held-out loss)."""
-        evaluations = self.table.events("eval")
+        evaluations = self.table.events(kinds.EVAL)
         accuracies = [e["accuracy"] for e in evaluations if e.get("accuracy") is not None]
         if accuracies:
             return "accuracy", max(accuracies)
@@ -140,7 +141,7 @@ class RunFeed:
         for row in live["workers"]:
             row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
         requests = [{k: r.get(k) for k in ("time", "action", "arguments", "by", "ok", "error", "request_id")}
-                    for r in self.table.events("control-request")]
+                    for r in self.table.events(kinds.CONTROL_REQUEST)]
         view = {**live, "run_id": self.run_id, "status": self.status, "info": dict(self.info),
                 "markers": markers, "samples_per_s": rate["samples_per_s"], "requests": requests,
                 "steps_received": self.table.steps_received, "newest_time": _newest_time(self.table)}
@@ -280,9 +281,9 @@ class Hub:
         if not run_id:
             return
         feed = self._feed_for(run_id)
-        if message.get("kind") == "run-queued":  # waits for free workers: listed, not followed yet
+        if message.get("kind") == kinds.RUN_QUEUED:  # waits for free workers: listed, not followed yet
             feed.describe(message, "queued")
-        elif message.get("kind") == "run-registered":
+        elif message.get("kind") == kinds.RUN_REGISTERED:
             feed.registered = True
             feed.describe(message, message.get("status"))
             if follow and feed.status not in ENDED:
@@ -341,7 +342,7 @@ class Hub:
                 summary = json.loads((path / SUMMARY_FILE).read_text())
             except json.JSONDecodeError:
                 summary = {}
-        ends = [r["kind"][4:] for r in records if r.get("kind") in ("run-finished", "run-stopped", "run-failed")]
+        ends = [status for r in records for status, kind in kinds.RUN_ENDED_AS.items() if r.get("kind") == kind]
         status = summary.get("status") or (ends[-1] if ends else "incomplete")
         feed = self._feed_for(config.get("run_id", path.name))
         feed.describe({**config, "directory": str(path.resolve())}, status)

@@ -1,0 +1,51 @@
+"""The vocabulary of what a run records: every message kind, named once with what it means.
+
+Workers, the client's supervisor and the announcements on the scheduler all write records with a
+`kind`; the run directory, `run.events(kind)`, the panel and the dashboard read them. Code names kinds
+through these constants, never as bare strings (`tests/test_kinds.py` holds this), so a kind cannot be
+misspelt on one side and silently never match on the other.
+"""
+from __future__ import annotations
+
+# --- from the workers, on the run's topic ------------------------------------------------------------
+STEPS = "steps"  # a batch of step records from one worker (expanded to STEP records on arrival)
+STEP = "step"  # one worker's step: the fields in metrics.STEP_FIELDS plus the strategy's own
+EVAL = "eval"  # a held-out evaluation by rank 0
+WORKER_STARTED = "worker-started"  # a rank began: address, pid, host, device
+WORKER_FINISHED = "worker-finished"  # a rank ended its group normally (`stopped` if asked to)
+WORKER_FAILED = "worker-failed"  # a rank raised: the error and its step
+WORKER_LEFT = "worker-left"  # a rank left a group the client ended (a regroup)
+PAUSED = "paused"  # a rank paused at the agreed step
+RESUMED = "resumed"  # a rank went on after a pause
+CHANGED = "changed"  # a rank applied a learning-rate or live-setting change
+SWITCHED = "switched"  # a rank changed strategy (or the client, for a switch made at a regroup)
+CHECKPOINT_READY = "checkpoint-ready"  # rank 0 holds a checkpoint for the client to fetch
+
+# --- from the client, on the run's topic or in the run directory --------------------------------------
+RUN_STARTED = "run-started"
+RUN_RESUMED = "run-resumed"  # started again from a checkpoint (`from_step`)
+RUN_FINISHED = "run-finished"
+RUN_STOPPED = "run-stopped"
+RUN_FAILED = "run-failed"
+RUN_ENDED = (RUN_FINISHED, RUN_STOPPED, RUN_FAILED)
+RUN_ENDED_AS = {"finished": RUN_FINISHED, "stopped": RUN_STOPPED, "failed": RUN_FAILED}  # by final status
+CONTROL = "control"  # what the user asked for (lr, settings, switch), as they asked it
+CONTROL_REQUEST = "control-request"  # another client's request and its outcome
+GENERATION_STARTED = "generation-started"  # a group of workers started (the first, or after a regroup)
+WORKER_LOST = "worker-lost"  # a rank's worker went away or got stuck
+WORKER_JOINED = "worker-joined"  # a worker joined the cluster during the run
+JOIN_REFUSED = "join-refused"  # a joined worker could not be added (held, or the batch does not fit)
+REGROUPED = "regrouped"  # the run goes on with other workers (lost or joined)
+CHECKPOINT = "checkpoint"  # a checkpoint was written (path, step)
+CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity and was not written
+TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing
+
+# --- announcements on the scheduler's runs topic (registry.RUNS_TOPIC) ---------------------------------
+RUN_QUEUED = "run-queued"  # waits for free workers
+RUN_REGISTERED = "run-registered"  # began training: its config
+RUN_STATUS = "run-status"  # a new status
+
+# A rank is done with its group once it said one of these.
+RANK_ENDED = (WORKER_FINISHED, WORKER_FAILED, WORKER_LEFT)
+
+KINDS = frozenset(value for name, value in dict(globals()).items() if name.isupper() and isinstance(value, str))
