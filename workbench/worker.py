@@ -34,6 +34,7 @@ from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 from .worker_checkpoint import LoopCheckpoints
 from .worker_control import CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
+from .transport import ProcessGroupTransport, Transport
 from .worker_host import GpuGauge, configure_worker_for_training, resolve_device
 
 
@@ -76,12 +77,19 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     # A task the scheduler no longer wants (its client is gone) is told so through its state here.
     poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S,
                            released=lambda: _task_released(worker, key))
-    loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender)
+    loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender, ProcessGroupTransport())
     poller.after_each_poll(loop.control.break_group_if_ended)
     try:
         sender.event(kinds.WORKER_STARTED, address=worker.address, pid=os.getpid(), host=socket.gethostname(),
                      generation=task.generation, start_step=task.start_step, allocator_tuned=allocator_tuned)
-        result = loop.run(train_data, eval_data, resume_from)
+        device = resolve_device(task.job.device)
+        # Every run forms the process group, whatever its strategy: workers agree on switches and on the
+        # end of the run through it, and a switch to a synchronous strategy needs it.
+        collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
+                                       device, task.collective_timeout_s, dask_ports=_dask_ports(task),
+                                       own_host=get_address_host(worker.address))
+        loop.control.joined_group = True
+        result = loop.run(train_data, eval_data, device, resume_from)
         sender.event(kinds.WORKER_FINISHED, steps=result["steps"], stopped=result["stopped"], generation=task.generation,
                      weights=result["weights"])
         return result
@@ -162,8 +170,8 @@ class _Loop:
     """One rank's training: the loop itself, its steps and evaluations. Control is `control`'s
     (worker_control.py), checkpoints are `checkpoints`' (worker_checkpoint.py)."""
 
-    def __init__(self, task: WorkerTask, strategy: Any, poller: ControlPoller, sender: MetricsSender) -> None:
-        self.task, self.strategy, self.sender = task, strategy, sender
+    def __init__(self, task: WorkerTask, strategy: Any, poller: Any, sender: MetricsSender, comm: Transport) -> None:
+        self.task, self.strategy, self.sender, self.comm = task, strategy, sender, comm
         self.context: TrainingContext | None = None
         self.step = 0
         self.epoch = 0
@@ -172,24 +180,19 @@ class _Loop:
         self.control = ControlPoint(self, poller)
         self.checkpoints = LoopCheckpoints(self)
 
-    def run(self, train_data: Any, eval_data: DataSource | None,
+    def run(self, train_data: Any, eval_data: DataSource | None, device: torch.device,
             resume_from: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Train this rank to the end of the run (or a stop); returns its summary. Talks to the other
+        ranks only through `comm`, with them in the process group already."""
         task, job = self.task, self.task.job
-        device = resolve_device(job.device)
         torch.manual_seed(job.seed)
         self.step = task.start_step
-        # Every run forms the process group, whatever its strategy: workers agree on switches and on the
-        # end of the run through it, and a switch to a synchronous strategy needs it.
-        collectives.init_process_group(task.master_host, task.master_port, task.rank, task.world_size,
-                                       device, task.collective_timeout_s, dask_ports=_dask_ports(task),
-                                       own_host=get_address_host(get_worker().address))
-        self.control.joined_group = True
         shard = self._shard(train_data, device)
         evaluation = eval_data.load() if (eval_data is not None and task.rank == 0) else None
         model = job.model().to(device)
         context = self.context = TrainingContext(
             task.rank, task.world_size, device, model, None, task.collective_timeout_s, task.run_id,
-            task.addresses, job, interrupted=self.control.waiting, abandoned=self.control.superseded)
+            task.addresses, job, interrupted=self.control.waiting, abandoned=self.control.superseded, comm=self.comm)
         context.optimizer = self.strategy.local_optimizer(job, model.parameters())
         if resume_from is not None:
             self.checkpoints.restore(context, resume_from)
@@ -210,7 +213,7 @@ class _Loop:
             stopped = True
         self.control.meet_at_end(stopped)
         self.strategy.finish(context)
-        collectives.barrier()  # every rank holds the final weights before any service is released
+        self.comm.barrier()  # every rank holds the final weights before any service is released
         regrouping = self.control.control.regroup or self.control.poller.latest().regroup
         if evaluation is not None and not regrouping:  # the final weights, after the last synchronisation
             self._evaluate(model, evaluation, loss_fn, device, self.epoch, final=True)

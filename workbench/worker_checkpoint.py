@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, kinds
+from . import kinds
 from .averaging import flatten
 from .checkpoint import all_finite, leave_snapshot
 from .errors import DivergenceError
@@ -55,7 +55,7 @@ class LoopCheckpoints:
         own = {"step": loop.step, "rng": torch.get_rng_state(), "strategy": strategy.rank_state()}
         # Alone (rank 0 of a parameter-server run), the other ranks' own states are not in it: a resumed
         # run then starts every rank at rank 0's step.
-        ranks = collectives.all_gather_objects(own) if together else None
+        ranks = loop.comm.all_gather_objects(own) if together else None
         self.last_step = loop.step
         if task.rank != 0:
             return None

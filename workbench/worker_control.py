@@ -194,7 +194,7 @@ class ControlPoint:
         """Rank 0's control state and agreement interval on every rank (each its own without a group)."""
         if not self.loop.strategy.uses_process_group:
             return local, 1
-        message = collectives.broadcast_json(
+        message = self.loop.comm.broadcast_json(
             {"control": local.to_message(), "interval": self._control_interval()} if self.task.rank == 0 else None)
         return ControlState.from_message(message["control"]), message["interval"]
 
@@ -212,7 +212,7 @@ class ControlPoint:
         latest = self.poller.latest()
         newest = latest if latest.version > self.control.version else self.control
         position = Position(self.loop.step, at_end, stopping, newest.to_message())
-        positions = [Position.from_message(m) for m in collectives.all_gather_json(position.to_message())]
+        positions = [Position.from_message(m) for m in self.loop.comm.all_gather_json(position.to_message())]
         decision = decide(positions, self.applied_switch, self.known_checkpoint)
         if decision.newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
             self.control = ControlState.from_message(decision.newest)
@@ -233,7 +233,7 @@ class ControlPoint:
         before = fingerprint(flatten(list(context.model.parameters())))
         old.finish(context)  # common weights: averaged, or the server's
         carried = old.carry_out(context)
-        collectives.barrier()  # every rank holds the carried state before the old services go
+        loop.comm.barrier()  # every rank holds the carried state before the old services go
         old.close()
         settings = make_settings(request.strategy, request.settings)
         new = get_strategy(request.strategy)(settings)

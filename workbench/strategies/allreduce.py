@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from .. import collectives
 from ..averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
 from ..checks import check_positive_number
 from .base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
@@ -85,7 +84,8 @@ class AllReduce(Strategy):
         self.hooks: list[Any] = []
         self.bytes_sent = 0
         # Every rank starts from rank 0's weights, whatever the factory's randomness did.
-        collectives.broadcast_tensors(list(context.model.state_dict().values()))
+        self.comm = context.comm
+        self.comm.broadcast_tensors(list(context.model.state_dict().values()))
         if self.world_size == 1:
             self.keeps_gradient_buffers = False  # nothing to exchange: plain gradients, as one process
             return
@@ -114,7 +114,7 @@ class AllReduce(Strategy):
         else:
             # The gradients are overwritten by the result anyway: scale them in place, then cast.
             bucket.in_flight = bucket.wire_buffer(dtype).copy_(scale_for_wire(bucket.buffer, dtype, self.world_size))
-        bucket.work = collectives.start_all_reduce(bucket.in_flight)
+        bucket.work = self.comm.start_all_reduce(bucket.in_flight)
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
         if not self.buckets:
@@ -125,7 +125,7 @@ class AllReduce(Strategy):
                 self._launch(bucket)
         sent = 0
         for bucket in self.buckets:
-            collectives.wait(bucket.work)
+            self.comm.wait(bucket.work)
             if bucket.in_flight is bucket.buffer:
                 bucket.buffer.div_(self.world_size)
             else:  # pre-divided before the cast

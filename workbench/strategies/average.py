@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .. import collectives
 from ..averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
                          optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
 from ..errors import ConfigError
@@ -96,7 +95,8 @@ class Average(Strategy):
     local_weights_drift = True
 
     def setup(self, context: TrainingContext) -> None:
-        collectives.broadcast_tensors(list(context.model.state_dict().values()))
+        self.comm = context.comm
+        self.comm.broadcast_tensors(list(context.model.state_dict().values()))
         self.parameters = [p for p in context.model.parameters()]
         self.world_size = context.world_size
         restored = getattr(self, "restored", {})
@@ -125,7 +125,7 @@ class Average(Strategy):
         if self.exchange is not None:
             global_weights, buffer = self._outer_step(self._arrived())
             carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
-        collectives.all_reduce_mean(carried.weights)
+        context.comm.all_reduce_mean(carried.weights)
         # On the CPU: the checkpoint travels to the client, which may have no GPU.
         return carried, {"steps_since_sync": self.steps_since_sync,
                          "global_weights": global_weights.to("cpu", copy=True),
@@ -185,7 +185,7 @@ class Average(Strategy):
         local = flatten(self.parameters)
         dtype = WIRE_DTYPES[self.settings.wire_dtype]
         summed = encode_weights(local, self.global_weights, dtype, self.world_size)
-        collectives.wait(collectives.start_all_reduce(summed))
+        self.comm.wait(self.comm.start_all_reduce(summed))
         average = decode_average(summed, self.global_weights, self.world_size)
         divergence = relative_divergence(local, average)
         self.global_weights, self.outer_buffer = self._outer_step(average)
@@ -196,7 +196,7 @@ class Average(Strategy):
             if state:
                 # float32 always: Adam's second moments (1e-10 and less) would flush to zero in fp16.
                 vector = flatten(state)
-                collectives.all_reduce_mean(vector)
+                self.comm.all_reduce_mean(vector)
                 unflatten_into(vector, state)
                 sent += vector.numel() * vector.element_size()
         self.steps_since_sync = 0
@@ -222,7 +222,7 @@ class Average(Strategy):
         """Start the all-reduce of this worker's weights `snapshot` (flat, kept unchanged until it lands)."""
         summed = encode_weights(snapshot, self.global_weights, WIRE_DTYPES[self.settings.wire_dtype],
                                 self.world_size)
-        work = collectives.start_all_reduce(summed)
+        work = self.comm.start_all_reduce(summed)
         self.exchange = _Exchange(work, summed, self.global_weights, snapshot, time.perf_counter())
         work.get_future().add_done_callback(self.exchange.note_finished)
         return all_reduce_bytes_sent(summed.numel() * summed.element_size(), self.world_size)
@@ -231,7 +231,7 @@ class Average(Strategy):
         """The workers' mean weights of the exchange in flight, waiting for it if it is still running."""
         exchange = self.exchange
         if exchange.average is None:
-            collectives.wait(exchange.work)
+            self.comm.wait(exchange.work)
             exchange.average = decode_average(exchange.summed, exchange.base, self.world_size)
         return exchange.average
 

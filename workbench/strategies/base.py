@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import collectives
 from ..averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
 from ..errors import ConfigError
 from ..job import make_optimizer
@@ -34,6 +33,8 @@ class TrainingContext:
     interrupted: Callable[[], bool] = lambda: False
     # True once the client has ended this group of workers (a worker was lost): every wait ends at once.
     abandoned: Callable[[], bool] = lambda: False
+    # How this rank reaches the others and the run's services (transport.py): passed in, never ambient.
+    comm: Any = dataclasses.field(default_factory=lambda: _process_group())
 
 
 @dataclasses.dataclass
@@ -108,12 +109,12 @@ class Strategy:
         # The ranks' states may differ in shape (one rank saw no gradient for some parameter yet):
         # agree on the layout first, so that every rank makes the same collectives.
         layout = {key: value.numel() if isinstance(value, torch.Tensor) else "scalar" for key, value in state.items()}
-        if any(other != layout for other in collectives.all_gather_json(layout)):
+        if any(other != layout for other in context.comm.all_gather_json(layout)):
             state = {}  # no common state: the next optimizer starts fresh
         tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
         if tensors:
             vector = flatten(tensors)
-            collectives.all_reduce_mean(vector)
+            context.comm.all_reduce_mean(vector)
             unflatten_into(vector, tensors)
         return Carried(flatten(list(context.model.parameters())), state)
 
@@ -129,7 +130,7 @@ class Strategy:
         result is kept."""
         carried = Strategy.carry_out(self, context)
         if self.local_weights_drift:
-            collectives.all_reduce_mean(carried.weights)
+            context.comm.all_reduce_mean(carried.weights)
         return carried, {}
 
     def rank_state(self) -> dict[str, Any]:
@@ -169,3 +170,9 @@ def check_wire_dtype(parameter: str, value: Any) -> None:
     if not isinstance(value, str) or value not in WIRE_DTYPES:
         raise ConfigError(parameter, value, f"one of {list(WIRE_DTYPES)}",
                           "fp16 and bf16 halve the bytes on the wire; float32 is exact")
+
+
+def _process_group() -> Any:
+    from ..transport import ProcessGroupTransport
+
+    return ProcessGroupTransport()

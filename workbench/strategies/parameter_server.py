@@ -21,15 +21,13 @@ import time
 from typing import Any
 
 import torch
-from distributed import get_client, get_worker
 
-from .. import collectives
 from ..averaging import flat_optimizer_state, flatten, unflatten_into
 from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
                            validate_compression)
 from ..errors import ConfigError
 from ..replies import KnownWeights
-from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies, start_parameter_server
+from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies
 from ..checks import check_positive_int, check_positive_number
 from .base import Carried, Strategy, StrategySettings, TrainingContext
 
@@ -141,7 +139,7 @@ class _ServerStrategy(Strategy):
         """Rank 0 creates the shards from its current weights (equal on every rank at this point)."""
         job = context.job
         server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, self.settings) else job
-        return start_parameter_server(get_client(), context.run_id, context.addresses,
+        return context.comm.start_parameter_server(context.run_id, context.addresses,
                                       flatten(list(context.model.parameters())), server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
                                       self._server_optimizer_state(), getattr(self, "restored_version", 0),
@@ -151,8 +149,8 @@ class _ServerStrategy(Strategy):
         # Started here rather than by the client, so a live switch can start one from the weights of the
         # moment; rank 0 keeps the references that keep the actors alive, the others get the handle.
         self.owned_server = self._start_server(context) if context.rank == 0 else None
-        handle = collectives.broadcast_object(self.owned_server)
-        loop = get_worker().loop.asyncio_loop
+        handle = context.comm.broadcast_object(self.owned_server)
+        loop = context.comm.event_loop()
         self.server = ServerClient(handle, context.timeout_s, loop, context.abandoned)
         self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
         self.parameters = list(context.model.parameters())
@@ -358,7 +356,7 @@ class AsyncSGD(_ServerStrategy):
         # After `finish` every worker holds the server's weights.
         if self.worker_momentum:
             velocity = self.velocity.clone()
-            collectives.all_reduce_mean(velocity)  # every rank has a velocity of the same size
+            context.comm.all_reduce_mean(velocity)  # every rank has a velocity of the same size
             return Carried(flatten(self.parameters), {"momentum_buffer": velocity})
         return Carried(flatten(self.parameters), self.server.optimizer_state())
 
@@ -366,7 +364,7 @@ class AsyncSGD(_ServerStrategy):
         if self.worker_momentum:
             velocity = self.velocity.clone()
             if together:
-                collectives.all_reduce_mean(velocity)
+                context.comm.all_reduce_mean(velocity)
             return {"momentum_buffer": velocity}
         return self.server.optimizer_state() if self.rank == 0 else {}
 
