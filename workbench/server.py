@@ -202,6 +202,10 @@ class ServerHandle:
         # Workers get the actors; the futures that keep the actors alive stay with the client.
         return {"actors": self.actors, "ranges": self.ranges, "futures": []}
 
+    def __copy__(self) -> ServerHandle:
+        """A worker's copy, as one that travelled: its own list of the actors, none of the futures."""
+        return ServerHandle(list(self.actors), self.ranges)
+
     def release(self) -> None:
         """Let the actors go (the client's references are what keep them alive)."""
         for future in self.futures:

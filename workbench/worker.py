@@ -33,7 +33,7 @@ from .job import Job, loss_function
 from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 from .worker_checkpoint import LoopCheckpoints
-from .worker_control import CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
+from .worker_control import CONTROL_AGREEMENT_S, CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
 from .transport import ProcessGroupTransport, Transport
 from .worker_host import GpuGauge, configure_worker_for_training, resolve_device
 
@@ -170,14 +170,15 @@ class _Loop:
     """One rank's training: the loop itself, its steps and evaluations. Control is `control`'s
     (worker_control.py), checkpoints are `checkpoints`' (worker_checkpoint.py)."""
 
-    def __init__(self, task: WorkerTask, strategy: Any, poller: Any, sender: MetricsSender, comm: Transport) -> None:
+    def __init__(self, task: WorkerTask, strategy: Any, poller: Any, sender: MetricsSender, comm: Transport,
+                 agreement_s: float = CONTROL_AGREEMENT_S) -> None:
         self.task, self.strategy, self.sender, self.comm = task, strategy, sender, comm
         self.context: TrainingContext | None = None
         self.step = 0
         self.epoch = 0
         self.recent_step_s = 0.0  # moving average of step time, for the control interval
         self._gpu = GpuGauge()
-        self.control = ControlPoint(self, poller)
+        self.control = ControlPoint(self, poller, agreement_s)
         self.checkpoints = LoopCheckpoints(self)
 
     def run(self, train_data: Any, eval_data: DataSource | None, device: torch.device,

@@ -40,9 +40,10 @@ class ControlPoint:
     """One rank's side of the control agreement. `loop` is the worker loop: its step, strategy, context,
     metrics sender and checkpoints."""
 
-    def __init__(self, loop: Any, poller: ControlPoller) -> None:
+    def __init__(self, loop: Any, poller: ControlPoller, agreement_s: float = CONTROL_AGREEMENT_S) -> None:
         task = loop.task
         self.loop, self.task, self.poller = loop, task, poller
+        self.agreement_s = agreement_s  # 0: agree at every step (in one process, where steps take microseconds)
         self.control = ControlState(lr=task.job.lr, strategy=task.strategy, settings=dataclasses.asdict(task.settings))
         self.applied_switch = task.applied_switch  # switches made so far (the same on every rank)
         self.pending: SwitchRequest | None = None  # a switch agreed on, made when the step reaches `switch_at`
@@ -202,7 +203,7 @@ class ControlPoint:
         """Steps until the next agreement: about CONTROL_AGREEMENT_S of training, on the strategy's grid."""
         alignment = self.loop.strategy.control_alignment()
         step_s = self.loop.recent_step_s or CONTROL_AGREEMENT_S
-        multiples = max(1, round(CONTROL_AGREEMENT_S / (step_s * alignment)))
+        multiples = max(1, round(self.agreement_s / (step_s * alignment)))
         return min(multiples * alignment, max(alignment, MAX_CONTROL_INTERVAL_STEPS))
 
     # --- rendezvous and switch ------------------------------------------------------------------------
