@@ -81,10 +81,17 @@ def test_averaging_every_step_without_momentum_is_the_same_sgd():
     assert len({tuple(result["weights"]) for result in drifted.results}) == 1
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_every_strategy_trains_in_process_and_ends_with_common_weights(strategy):
-    run = train_in_process(job(steps=60, **suggested_sgd(strategy)), strategy, WORLD)
+VARIANTS = [(name, {}) for name in sorted(STRATEGIES)] + [
+    ("average", {"overlap": True, "period": 2}), ("async", {"compression": "topk", "topk_ratio": 0.1})]
+
+
+@pytest.mark.parametrize("strategy,settings", VARIANTS, ids=[f"{n}{'-' if s else ''}{'-'.join(s)}" for n, s in VARIANTS])
+def test_every_strategy_trains_in_process_and_ends_with_common_weights(strategy, settings):
+    run = train_in_process(job(steps=60, **suggested_sgd(strategy)), strategy, WORLD, **settings)
     steps = run.steps()
+    # Every field a step record carries is in the vocabulary (kinds.py), the loop's own on every step.
+    assert all(set(kinds.STEP_FIELDS) <= set(r) <= {"kind", *kinds.STEP_FIELDS, *kinds.STRATEGY_FIELDS}
+               for r in steps)
     assert [len(run.steps(rank)) for rank in range(WORLD)] == [60] * WORLD
     first = sum(r["loss"] for r in steps[:2 * WORLD * 5]) / (2 * WORLD * 5)
     last = sum(r["loss"] for r in steps[-2 * WORLD * 5:]) / (2 * WORLD * 5)

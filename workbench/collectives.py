@@ -312,6 +312,11 @@ def start_all_reduce(vector: torch.Tensor) -> Any:
     return dist.all_reduce(vector, async_op=True)
 
 
+def when_done(work: Any, callback: Callable[[Any], Any]) -> None:
+    """Call `callback` once the collective `work` (from `start_all_reduce`) has completed."""
+    work.get_future().add_done_callback(callback)
+
+
 @_blocking
 def wait(work: Any) -> None:
     """Wait for a collective started in the background."""

@@ -169,6 +169,9 @@ class ThreadTransport:
     def wait(self, work: Any) -> None:
         pass
 
+    def when_done(self, work: Any, callback: Callable[[Any], Any]) -> None:
+        callback(work)
+
     def start_parameter_server(self, *arguments: Any) -> Any:
         return self.services.start_parameter_server(*arguments)
 

@@ -1,4 +1,5 @@
-"""The vocabulary of what a run records: every message kind, named once with what it means.
+"""The vocabulary of what a run records: every message kind and every field of a step record, named
+once with what it means.
 
 Workers, the client's supervisor and the announcements on the scheduler all write records with a
 `kind`; the run directory, `run.events(kind)`, the panel and the dashboard read them. Code names kinds
@@ -47,5 +48,27 @@ RUN_STATUS = "run-status"  # a new status
 
 # A rank is done with its group once it said one of these.
 RANK_ENDED = (WORKER_FINISHED, WORKER_FAILED, WORKER_LEFT)
+
+# --- the fields of a step record ------------------------------------------------------------------------
+STEP_FIELDS = {  # every step, every strategy (the loop's own)
+    "worker": "rank", "step": "the rank's step", "epoch": "epoch of its shard", "time": "when it ended (s, epoch)",
+    "loss": "training loss of the batch", "samples": "samples in the batch",
+    "compute_s": "forward, backward and optimizer", "comm_s": "communication the step waited for",
+    "wait_s": "agreeing on control state, or held at the SSP bound", "lr": "learning rate used",
+    "strategy": "the strategy that made the step",
+}
+STRATEGY_FIELDS = {  # added by the strategies (and on GPUs by the loop), at the steps they apply to
+    "bytes_sent": "bytes this rank put on the wire for the step (or its push)",
+    "bytes_received": "bytes of the server's reply, as compressed",
+    "comm_total_s": "the exchange's whole time, hidden part included",
+    "steps_since_sync": "average: local steps since the last averaging",
+    "divergence": "average: relative L2 distance from the mean weights at a sync",
+    "exchange_s": "average with overlap: how long the exchange in flight took",
+    "clock": "parameter server: this rank's windows pushed",
+    "staleness": "parameter server: server versions since this rank's weights",
+    "server_version": "parameter server: the version its reply carried",
+    "clock_gap": "parameter server: clocks ahead of the slowest rank when it went on",
+    "gpu_memory_mb": "GPU: memory allocated", "gpu_utilization": "GPU: utilisation (NVML)",
+}
 
 KINDS = frozenset(value for name, value in dict(globals()).items() if name.isupper() and isinstance(value, str))

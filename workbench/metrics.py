@@ -17,7 +17,7 @@ import pandas as pd
 
 from . import kinds
 
-STEP_FIELDS = ("worker", "step", "epoch", "time", "loss", "samples", "compute_s", "comm_s", "wait_s", "lr", "strategy")
+STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
 
 
 def topic(run_id: str) -> str:

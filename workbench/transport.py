@@ -9,7 +9,7 @@ the loop, every strategy, switches and checkpoints can be checked without a clus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +30,7 @@ class Transport(Protocol):
     def all_reduce_mean(self, vector: torch.Tensor) -> None: ...
     def start_all_reduce(self, vector: torch.Tensor) -> Any: ...
     def wait(self, work: Any) -> None: ...
+    def when_done(self, work: Any, callback: Callable[[Any], Any]) -> None: ...
     def start_parameter_server(self, *arguments: Any) -> Any: ...
     def event_loop(self) -> asyncio.AbstractEventLoop | None: ...
 
@@ -46,6 +47,7 @@ class ProcessGroupTransport:
     all_reduce_mean = staticmethod(collectives.all_reduce_mean)
     start_all_reduce = staticmethod(collectives.start_all_reduce)
     wait = staticmethod(collectives.wait)
+    when_done = staticmethod(collectives.when_done)
 
     def start_parameter_server(self, *arguments: Any) -> Any:
         """The server's shards as Dask actors on the run's workers (`server.start_parameter_server`)."""

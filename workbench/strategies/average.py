@@ -224,7 +224,7 @@ class Average(Strategy):
                                 self.world_size)
         work = self.comm.start_all_reduce(summed)
         self.exchange = _Exchange(work, summed, self.global_weights, snapshot, time.perf_counter())
-        work.get_future().add_done_callback(self.exchange.note_finished)
+        self.comm.when_done(work, self.exchange.note_finished)
         return all_reduce_bytes_sent(summed.numel() * summed.element_size(), self.world_size)
 
     def _arrived(self) -> torch.Tensor:
