@@ -1,0 +1,92 @@
+"""`auto`'s decision table, without a cluster (workbench/auto.py): measured situation -> choice, the
+learning rate that follows a switch, and hysteresis (no flapping, a bounded rate of switches)."""
+import pytest
+
+from workbench.auto import Chooser, Window, fitting, measure
+
+EVEN = {0: 1000.0, 1: 980.0}
+
+
+def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
+    return Window(strategy, {w: compute_s for w in rates}, dict(rates), exchange_s)
+
+
+@pytest.mark.parametrize("strategy,settings,exchange_s,rates,expected", [
+    # A link that costs half a step or more per exchange: averaging, with a period that hides it.
+    ("allreduce", {}, 0.05, EVEN, ("average", {"period": 8, "overlap": True})),
+    ("allreduce", {}, 0.5, EVEN, ("average", {"period": 64, "overlap": True})),
+    ("allreduce", {}, 0.01, EVEN, None),  # a fast link: exact allreduce stays
+    ("allreduce", {}, 0.03, EVEN, None),  # in the band between the thresholds: nothing changes
+    ("average", {"period": 8}, 0.01, EVEN, ("allreduce", {})),  # the link got fast
+    ("average", {"period": 8}, 0.03, EVEN, None),
+    ("average", {"period": 8}, 0.05, EVEN, None),  # the period fits already
+    ("average", {"period": 8}, 0.3, EVEN, ("average", {"period": 32, "overlap": True})),  # the link got slower
+    # A straggler: nobody should wait for it.
+    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("async", {"push_every": 4})),
+    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("async", {"push_every": 4})),
+    ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 700.0}, None),  # still uneven: stays
+    ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 950.0}, ("allreduce", {})),  # even again, fast link
+    ("async", {"push_every": 4}, 0.2, {0: 1000.0, 1: 950.0}, ("average", {"period": 32, "overlap": True})),
+    ("allreduce", {}, None, EVEN, None),  # no exchange seen yet: no judgement
+])
+def test_the_decision_table(strategy, settings, exchange_s, rates, expected):
+    found = fitting(window(strategy, exchange_s, rates=rates), settings)
+    assert (found and found[:2]) == expected
+    if found:  # the reason carries the measurement behind it
+        assert ("%" in found[2]) if found[0] == "async" or strategy == "async" else ("steps" in found[2])
+
+
+def test_the_learning_rate_follows_a_move_to_and_from_the_parameter_server():
+    chooser = Chooser(workers=4, confirm=1, min_interval_s=0)
+    straggling = {0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}
+    to_async = chooser.observe(window("allreduce", 0.01, rates=straggling), {}, now=0)
+    assert to_async.strategy == "async" and to_async.lr_factor == pytest.approx(1 / 4)
+    assert "worker 3 trains at 30%" in to_async.reason
+    back = chooser.observe(window("async", 0.01, rates={w: 1000.0 for w in range(4)}), {"push_every": 4}, now=1)
+    assert back.strategy == "allreduce" and back.lr_factor == 4
+    average = chooser.observe(window("allreduce", 0.1), {}, now=2)
+    assert average.strategy == "average" and average.lr_factor == 1
+
+
+def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
+    slow = window("allreduce", 0.1)
+    assert chooser.observe(slow, {}, 0) is None and chooser.observe(slow, {}, 1) is None
+    assert chooser.observe(window("allreduce", 0.01), {}, 2) is None  # the condition went away: start over
+    assert [chooser.observe(slow, {}, t) for t in (3, 4)] == [None, None]
+    assert chooser.observe(slow, {}, 5).strategy == "average"
+    # Another condition right after: confirmed, but not before min_interval_s has passed.
+    fast = window("average", 0.001)
+    assert [chooser.observe(fast, {"period": 16}, t) for t in (6, 7, 8, 20)] == [None] * 4
+    assert chooser.observe(fast, {"period": 16}, 26).strategy == "allreduce"
+
+
+def test_a_link_at_the_edge_does_not_flap():
+    # An exchange cost wavering around the averaging threshold: one switch, then the band holds it.
+    chooser = Chooser(workers=2, confirm=2, min_interval_s=0)
+    strategy, settings, choices = "allreduce", {}, []
+    for t, exchange_s in enumerate([0.06, 0.04] * 3 + [0.06] * 6 + [0.04, 0.06] * 5):
+        choice = chooser.observe(window(strategy, exchange_s), settings, t)
+        if choice:
+            choices.append(choice.strategy)
+            strategy, settings = choice.strategy, choice.settings
+    assert choices == ["average"]
+
+
+def test_a_window_is_measured_from_step_records():
+    records = []
+    for step in range(5):
+        records.append({"worker": 0, "step": step, "time": 100 + 0.1 * step, "samples": 32, "compute_s": 0.08,
+                        "comm_s": 0.02})
+        records.append({"worker": 1, "step": step, "time": 100 + 0.2 * step, "samples": 32, "compute_s": 0.18,
+                        "comm_s": 0.02})
+    measured = measure(records, "allreduce")
+    assert measured.compute_s == pytest.approx({0: 0.08, 1: 0.18})
+    assert measured.samples_per_s == pytest.approx({0: 320.0, 1: 160.0})
+    assert measured.exchange_s == pytest.approx(0.02) and measured.speed_spread == pytest.approx(0.5)
+    assert measured.exchange_in_steps == pytest.approx(0.02 / 0.13)
+    # Under averaging only the syncs carry an exchange; too few steps say nothing.
+    for record in records:
+        record["comm_total_s"] = 0.5 if record["step"] == 4 else None
+    assert measure(records, "average").exchange_s == 0.5
+    assert measure(records[:4], "allreduce") is None

@@ -1,0 +1,152 @@
+"""`auto`'s decisions: which strategy fits what the run measures, pure and apart from any I/O.
+
+From the step records the workers already send, `measure` makes a `Window`: each worker's compute time
+and rate, and what one exchange of the model costs (the exposed all-reduce under `allreduce`, the whole
+averaging exchange under `average`, the round trip of a push under the parameter-server strategies).
+`Chooser.observe` turns a stream of windows into at most one decision per condition: a `Choice` with the
+strategy, its settings, the factor for the learning rate (README: the lr means something else after a
+switch) and a one-line reason with the measurements. Hysteresis: the thresholds to enter and to leave a
+choice differ, a choice must be seen in `confirm` windows in a row, and switches are `min_interval_s`
+apart. The supervisor applies a choice with the live switch; tests/test_auto.py holds the table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+SYNCHRONOUS = ("allreduce", "average")
+
+# Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's rate
+# against the fastest's. Entering and leaving a choice use different ones, so a condition at the edge
+# does not flap.
+AVERAGE_ABOVE = 0.5  # an exchange costs half a step or more: average
+ALLREDUCE_BELOW = 0.15  # it costs under 15% of a step: allreduce, exact
+STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's rate: asynchronous
+STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
+HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
+MAX_PERIOD = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What the run measured over a few seconds under its current strategy."""
+
+    strategy: str
+    compute_s: dict[int, float]  # per worker: mean compute per step
+    samples_per_s: dict[int, float]  # per worker
+    exchange_s: float | None  # one exchange of the model, whole; None when none was seen in the window
+
+    @property
+    def exchange_in_steps(self) -> float | None:
+        """One exchange's cost in steps of compute (the median worker's)."""
+        if self.exchange_s is None or not self.compute_s:
+            return None
+        return self.exchange_s / max(1e-9, statistics.median(self.compute_s.values()))
+
+    @property
+    def speed_spread(self) -> float:
+        """The slowest worker's rate against the fastest's (1: all equal)."""
+        rates = list(self.samples_per_s.values())
+        return min(rates) / max(rates) if rates and max(rates) > 0 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    strategy: str
+    settings: dict[str, Any]
+    lr_factor: float  # multiply the learning rate by this as the switch is made
+    reason: str
+
+
+def measure(records: list[dict[str, Any]], strategy: str) -> Window | None:
+    """A window from step records (all workers, a few seconds of them); None when too few to judge."""
+    by_worker: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        by_worker.setdefault(record["worker"], []).append(record)
+    if len(by_worker) < 2 or min(len(steps) for steps in by_worker.values()) < 3:
+        return None
+    compute = {w: statistics.fmean(r["compute_s"] for r in steps) for w, steps in by_worker.items()}
+    rates = {}
+    for worker, steps in by_worker.items():
+        span = max(r["time"] for r in steps) - min(r["time"] for r in steps)
+        rates[worker] = sum(r["samples"] for r in steps[1:]) / span if span > 0 else 0.0
+    if strategy == "allreduce":
+        costs = [r["comm_s"] for r in records]
+    else:  # the exchanges seen: averaging syncs, pushes answered
+        costs = [r["comm_total_s"] for r in records if r.get("comm_total_s") is not None]
+    return Window(strategy, compute, rates, statistics.median(costs) if costs else None)
+
+
+def _period(exchange_in_steps: float) -> int:
+    """A power of two that makes one exchange about HIDDEN_SHARE of the steps it overlaps."""
+    wanted = max(2.0, exchange_in_steps / HIDDEN_SHARE)
+    return int(min(MAX_PERIOD, 2 ** math.ceil(math.log2(wanted))))
+
+
+def _lr_factor(current: str, chosen: str, workers: int) -> float:
+    """From a synchronous strategy to a parameter server every push is applied in full: about `workers`
+    times the step at the same lr (measured, README); the lr follows, and back."""
+    if current in SYNCHRONOUS and chosen not in SYNCHRONOUS:
+        return 1.0 / workers
+    if current not in SYNCHRONOUS and chosen in SYNCHRONOUS:
+        return float(workers)
+    return 1.0
+
+
+def fitting(window: Window, settings: dict[str, Any]) -> tuple[str, dict[str, Any], str] | None:
+    """The strategy and settings the window calls for, with the reason; None: the current one fits."""
+    spread, steps = window.speed_spread, window.exchange_in_steps
+    current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
+    slowest = min(window.samples_per_s, key=window.samples_per_s.get) if window.samples_per_s else 0
+    if spread < STRAGGLER_BELOW and not asynchronous:
+        return ("async", {"push_every": 4},
+                f"worker {slowest} trains at {spread:.0%} of the fastest's rate: async, push_every 4 (nobody waits)")
+    if asynchronous and spread < STRAGGLER_GONE_ABOVE:
+        return None  # still uneven: stay asynchronous
+    if steps is None:
+        return None
+    if asynchronous:  # even again: the link decides between the synchronous strategies
+        if steps >= AVERAGE_ABOVE:
+            period = _period(steps)
+            return ("average", {"period": period, "overlap": True},
+                    f"workers even again ({spread:.0%}), an exchange costs {steps:.1f} steps: average, period {period}, overlapped")
+        return ("allreduce", {}, f"workers even again ({spread:.0%}), an exchange costs {steps:.2f} steps: allreduce (exact)")
+    if current == "allreduce" and steps >= AVERAGE_ABOVE:
+        period = _period(steps)
+        return ("average", {"period": period, "overlap": True},
+                f"an exchange costs {steps:.1f} steps of compute: average, period {period}, overlapped")
+    if current == "average" and steps <= ALLREDUCE_BELOW:
+        return ("allreduce", {}, f"an exchange costs {steps:.2f} steps of compute: allreduce (exact)")
+    if current == "average" and steps >= AVERAGE_ABOVE:
+        period = _period(steps)
+        if period != settings.get("period"):
+            return ("average", {"period": period, "overlap": True},
+                    f"an exchange costs {steps:.1f} steps of compute: period {settings.get('period')} -> {period}")
+    return None
+
+
+class Chooser:
+    """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
+    times in a row first."""
+
+    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 20.0) -> None:
+        self.workers, self.confirm, self.min_interval_s = workers, confirm, min_interval_s
+        self._candidate: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+        self._seen = 0
+        self._last_choice_at = -math.inf
+
+    def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
+        found = fitting(window, settings) if window is not None else None
+        if found is None:
+            self._candidate, self._seen = None, 0
+            return None
+        strategy, chosen, reason = found
+        key = (strategy, tuple(sorted(chosen.items())))
+        self._seen = self._seen + 1 if key == self._candidate else 1
+        self._candidate = key
+        if self._seen < self.confirm or now - self._last_choice_at < self.min_interval_s:
+            return None
+        self._candidate, self._seen, self._last_choice_at = None, 0, now
+        return Choice(strategy, chosen, _lr_factor(window.strategy, strategy, self.workers), reason)
