@@ -4,11 +4,13 @@ import pytest
 
 from workbench.auto import Chooser, Window, fitting, measure
 
-EVEN = {0: 1000.0, 1: 980.0}
+EVEN = {0: 1000.0, 1: 1000.0}
 
 
 def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
-    return Window(strategy, {w: compute_s for w in rates}, dict(rates), exchange_s)
+    """`rates`: each worker's own speed (samples/s); its compute time per step follows from it."""
+    fastest = max(rates.values())
+    return Window(strategy, {w: compute_s * fastest / rate for w, rate in rates.items()}, dict(rates), exchange_s)
 
 
 @pytest.mark.parametrize("strategy,settings,exchange_s,rates,expected", [
@@ -41,7 +43,7 @@ def test_the_learning_rate_follows_a_move_to_and_from_the_parameter_server():
     straggling = {0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}
     to_async = chooser.observe(window("allreduce", 0.01, rates=straggling), {}, now=0)
     assert to_async.strategy == "async" and to_async.lr_factor == pytest.approx(1 / 4)
-    assert "worker 3 trains at 30%" in to_async.reason
+    assert "worker 3 computes at 30%" in to_async.reason
     back = chooser.observe(window("async", 0.01, rates={w: 1000.0 for w in range(4)}), {"push_every": 4}, now=1)
     assert back.strategy == "allreduce" and back.lr_factor == 4
     average = chooser.observe(window("allreduce", 0.1), {}, now=2)
@@ -83,10 +85,60 @@ def test_a_window_is_measured_from_step_records():
     measured = measure(records, "allreduce")
     assert measured.compute_s == pytest.approx({0: 0.08, 1: 0.18})
     assert measured.samples_per_s == pytest.approx({0: 320.0, 1: 160.0})
-    assert measured.exchange_s == pytest.approx(0.02) and measured.speed_spread == pytest.approx(0.5)
+    assert measured.exchange_s == pytest.approx(0.02) and measured.speed_spread == pytest.approx(0.08 / 0.18)
+    assert measured.slowest == 1
     assert measured.exchange_in_steps == pytest.approx(0.02 / 0.13)
     # Under averaging only the syncs carry an exchange; too few steps say nothing.
     for record in records:
         record["comm_total_s"] = 0.5 if record["step"] == 4 else None
     assert measure(records, "average").exchange_s == 0.5
     assert measure(records[:4], "allreduce") is None
+
+
+# --- on a real 2-process cluster --------------------------------------------------------------------------
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_hand_switch_pins_it(client, run_dir):
+    import workbench
+    from workbench import kinds
+    from workbench.run import Run
+
+    job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, batch_size=16, steps=100_000)
+    # Worker 1 takes 20 ms more per step: under allreduce worker 0 waits for it at every step.
+    run = Run(job, "auto", client=client, workers=2, run_dir=run_dir, name=None, collective_timeout_s=60,
+              settings={}, step_delays={1: 0.02})
+    run.start()
+    try:
+        assert run.strategy == "allreduce" and run.config["auto"]
+        decision = _wait_for_kind(run, kinds.AUTO_DECISION, timeout_s=60)[0]
+        assert decision["from"] == "allreduce" and decision["to"] == "async"
+        assert "worker 1 computes at" in decision["reason"] and decision["measured"]["speed_spread"] < 0.6
+        assert decision["lr"] == pytest.approx(0.05)  # the lr follows the move to the server: / 2 workers
+        switched = run.wait_for_event(kinds.SWITCHED, since=decision["time"], timeout=60)
+        assert {e["to"] for e in switched} == {"async"} and run.lr == pytest.approx(0.05)
+        # A switch by hand pins the strategy: auto is off and says so.
+        run.switch("average", period=4)
+        pinned = _wait_for_kind(run, kinds.AUTO_PINNED, timeout_s=30)
+        assert pinned[0]["why"] == "switch('average') asked for by hand" and not run.auto_pilot.on
+    finally:
+        run.stop()
+        run.wait(120)
+    assert run.status == "stopped" and len(run.events(kinds.AUTO_DECISION)) == 1
+
+
+def _wait_for_kind(run, kind, timeout_s):
+    run._wait_for(lambda: bool(run.events(kind)), timeout_s, f"a '{kind}' record")
+    return run.events(kind)
+
+
+def test_pin_is_refused_on_a_run_not_started_with_auto_and_auto_takes_no_settings(tmp_path):
+    import workbench
+    from workbench.run import Run
+
+    job = workbench.Job(model=workbench.mlp(64, 10), data="digits")
+    with pytest.raises(workbench.TrainingError, match="not started with strategy='auto'"):
+        Run(job, "allreduce", client=None, workers=None, run_dir=tmp_path, name=None, collective_timeout_s=60,
+            settings={}).pin()
+    with pytest.raises(workbench.ConfigError, match=r"^period=4 .*no settings with strategy='auto'"):
+        workbench.train(job, "auto", run_dir=tmp_path, period=4)

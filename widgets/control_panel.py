@@ -231,7 +231,8 @@ class ControlPanel:
             self.period_slider.value = int(s["settings"].get(setting, 1))
         self.progress.value = s["progress"]
         self.progress_text.value = (s["waiting"] if s.get("waiting")
-                                    else f"{s['progress']:.0%} of {s['total_steps']} steps")
+                                    else f"{s['progress']:.0%} of {s['total_steps']} steps"
+                                    + (f" · {s['auto']}" if s.get("auto") else ""))
 
         loss = s["loss"]
         with self.loss_line.hold_sync():

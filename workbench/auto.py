@@ -18,12 +18,12 @@ from typing import Any
 
 SYNCHRONOUS = ("allreduce", "average")
 
-# Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's rate
+# Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's speed
 # against the fastest's. Entering and leaving a choice use different ones, so a condition at the edge
 # does not flap.
 AVERAGE_ABOVE = 0.5  # an exchange costs half a step or more: average
 ALLREDUCE_BELOW = 0.15  # it costs under 15% of a step: allreduce, exact
-STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's rate: asynchronous
+STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's speed: asynchronous
 STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
 HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
 MAX_PERIOD = 64
@@ -47,9 +47,14 @@ class Window:
 
     @property
     def speed_spread(self) -> float:
-        """The slowest worker's rate against the fastest's (1: all equal)."""
-        rates = list(self.samples_per_s.values())
-        return min(rates) / max(rates) if rates and max(rates) > 0 else 1.0
+        """The slowest worker's speed against the fastest's (1: all equal), from their compute time per
+        step: under a synchronous strategy every worker's rate is the slowest's, so rates cannot tell."""
+        times = list(self.compute_s.values())
+        return min(times) / max(times) if times and max(times) > 0 else 1.0
+
+    @property
+    def slowest(self) -> int:
+        return max(self.compute_s, key=self.compute_s.get) if self.compute_s else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +104,9 @@ def fitting(window: Window, settings: dict[str, Any]) -> tuple[str, dict[str, An
     """The strategy and settings the window calls for, with the reason; None: the current one fits."""
     spread, steps = window.speed_spread, window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
-    slowest = min(window.samples_per_s, key=window.samples_per_s.get) if window.samples_per_s else 0
     if spread < STRAGGLER_BELOW and not asynchronous:
         return ("async", {"push_every": 4},
-                f"worker {slowest} trains at {spread:.0%} of the fastest's rate: async, push_every 4 (nobody waits)")
+                f"worker {window.slowest} computes at {spread:.0%} of the fastest's speed: async, push_every 4 (nobody waits)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE:
         return None  # still uneven: stay asynchronous
     if steps is None:

@@ -18,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 from . import cluster as cluster_module
-from . import extensions
+from . import extensions, kinds
+from .autopilot import AUTO, START as AUTO_START
 from .checks import check_positive_int, check_positive_number
 from .arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
 from .data import as_source, resolve_dataset
@@ -40,7 +41,8 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
     parser = OneLineParser(prog="workbench", description="Data-parallel PyTorch training on Dask.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = commands.add_parser("train", help="train a model on the embedded cluster or an existing one")
-    run.add_argument("--strategy", default="allreduce", choices=sorted(STRATEGIES), help="how workers combine results")
+    run.add_argument("--strategy", default="allreduce", choices=sorted(STRATEGIES) + [AUTO],
+                     help="how workers combine results ('auto': chosen and changed while the run trains)")
     run.add_argument("--workers", type=_positive_int, default=2, help="worker processes that train (default 2)")
     run.add_argument("--epochs", type=_positive_int, default=None, help="passes over each worker's shard (default 5)")
     run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker, instead of --epochs")
@@ -143,7 +145,8 @@ def _train(arguments: argparse.Namespace) -> int:
     )
     settings = chosen_settings(arguments)
     job.prepare()  # refuse bad values before a cluster is started
-    make_settings(arguments.strategy, settings)
+    if arguments.strategy != AUTO:
+        make_settings(arguments.strategy, settings)
     return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
                                                         workers=arguments.workers, run_dir=arguments.run_dir,
                                                         **fault_tolerance, **settings))
@@ -151,7 +154,7 @@ def _train(arguments: argparse.Namespace) -> int:
 
 def _hyperparameters(arguments: argparse.Namespace) -> tuple[float, float]:
     """The learning rate and momentum asked for, else the strategy's own defaults (Adam's lr for adam)."""
-    suggested = suggested_sgd(arguments.strategy)
+    suggested = suggested_sgd(AUTO_START if arguments.strategy == AUTO else arguments.strategy)
     if arguments.optimizer != "sgd":
         if arguments.momentum:
             raise ConfigError("--momentum", arguments.momentum, "only with --optimizer sgd",
@@ -203,13 +206,17 @@ def _follow(run: Any, disable: bool) -> None:
             print(f"workbench: run {run.run_id} {waiting}", file=sys.stderr)
             said = waiting
         time.sleep(0.2)
-    shown = 0
+    shown, decided = 0, 0
     with tqdm(total=run.total_steps, unit="step", desc=run.strategy, disable=disable, dynamic_ncols=True) as bar:
         while not run.done:
             warnings = run.warnings()
             for text in warnings[shown:]:  # said at once, above the bar, not only in the summary
                 tqdm.write(f"workbench: warning: {text}", file=sys.stderr)
             shown = len(warnings)
+            decisions = run.events(kinds.AUTO_DECISION)  # strategy='auto': each choice, as it is made
+            for decision in decisions[decided:]:
+                tqdm.write(f"workbench: {decision['reason']}", file=sys.stderr)
+            decided = len(decisions)
             done = int(run.progress() * run.total_steps)
             bar.update(done - bar.n)
             rate = run.throughput(5.0)["samples_per_s"]

@@ -40,6 +40,8 @@ REGROUPED = "regrouped"  # the run goes on with other workers (lost or joined)
 CHECKPOINT = "checkpoint"  # a checkpoint was written (path, step)
 CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity and was not written
 TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing
+AUTO_DECISION = "auto-decision"  # `auto` switched the run: from, to, settings, lr, reason, what it measured
+AUTO_PINNED = "auto-pinned"  # a strategy chosen by hand turned `auto` off
 
 # --- announcements on the scheduler's runs topic (registry.RUNS_TOPIC) ---------------------------------
 RUN_QUEUED = "run-queued"  # waits for free workers

@@ -160,6 +160,7 @@ class MetricsTable:
             evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
                            for r in self._other if r.get("kind") == kinds.EVAL]
             warnings = [r["message"] for r in self._other if r.get("kind") == kinds.TRAINING_WARNING]
+            auto = [r for r in self._other if r.get("kind") in (kinds.AUTO_DECISION, kinds.AUTO_PINNED)]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
@@ -192,6 +193,7 @@ class MetricsTable:
             "time_split": {w: _fractions(t) for w, t in totals.items()},
             "workers": table,
             "warnings": warnings,
+            "auto": auto_line(auto[-1]) if auto else None,
         }
 
     def steps(self) -> pd.DataFrame:
@@ -216,6 +218,11 @@ class MetricsTable:
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes}."""
         return staleness_summary(self.steps())
+
+    def recent_steps(self, window_s: float) -> list[dict[str, Any]]:
+        """The step records of the last `window_s` seconds (by the newest record's time), newest first."""
+        with self._lock:
+            return _recent(self._steps, window_s)
 
     def throughput(self, window_s: float | None = 5.0) -> dict[str, Any]:
         """Rates over the last `window_s` seconds, or over every kept record when None."""
@@ -282,6 +289,10 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             markers.append({"kind": kind, "step": event["step"], "time": event.get("time"),
                             "label": f"warning: {event['reason']}"})
             continue
+        if kind == kinds.AUTO_DECISION:  # `auto` chose: at the step the slowest worker had reached
+            markers.append({"kind": kind, "step": event["step"], "time": event.get("time"),
+                            "label": f"auto: {event['reason']}"})
+            continue
         if kind in (kinds.WORKER_LOST, kinds.REGROUPED):  # the run's own events: lost workers and regroups
             marker = _membership_marker(event)
             if marker is not None:
@@ -298,6 +309,13 @@ def control_markers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             label = kind
         markers.append({"kind": kind, "step": event["step"], "time": event.get("time"), "label": label})
     return sorted(markers, key=lambda m: (m["step"], m["time"] or 0))
+
+
+def auto_line(record: dict[str, Any]) -> str:
+    """What `auto` last did, in one line: its choice and why, or that it was turned off."""
+    if record["kind"] == kinds.AUTO_PINNED:
+        return f"auto off ({record['why']}): {record['strategy']} stays"
+    return f"auto: {record['reason']}"
 
 
 def _membership_marker(event: dict[str, Any]) -> dict[str, Any] | None:

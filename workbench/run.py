@@ -28,6 +28,7 @@ from . import kinds
 from . import checkpoint as checkpoints
 from . import membership
 from .checkpoint_store import CheckpointStore
+from .autopilot import AUTO, START as AUTO_START, AutoPilot
 from .checks import check_run_options
 from .control import ControlState, ControlWriter
 from .errors import ConfigError, DivergenceError, ResumeError, TrainingError
@@ -180,6 +181,7 @@ class Run(RunViews):
         self.control: ControlWriter | None = None
         self.stop_watching: Any = None
         self.stop_requested = False
+        self.auto_pilot: AutoPilot | None = None  # strategy='auto': chooses and switches while the run trains
         self._panel: Any = None  # the notebook control panel, made when the run is first displayed
 
     # --- the run's record -----------------------------------------------------------------------------
@@ -217,6 +219,11 @@ class Run(RunViews):
         if self.status != "created":
             raise TrainingError(f"run {self.run_id} was started already ({self.status}); use rerun() for another")
         prepared = self.prepared = self.job.prepare()
+        if self.strategy == AUTO:  # starts with allreduce; the autopilot switches from there
+            if self._settings_values:
+                name = next(iter(self._settings_values))
+                raise ConfigError(name, self._settings_values[name], "no settings with strategy='auto' (it picks them)")
+            self.strategy, self.auto_pilot = AUTO_START, AutoPilot(0)
         strategy_class = get_strategy(self.strategy)
         settings = self._start_settings = make_settings(self.strategy, self._settings_values)
         check_run_options(self.collective_timeout_s, self.checkpoint_every_steps, self.checkpoint_every_s,
@@ -228,6 +235,8 @@ class Run(RunViews):
             raise ConfigError("min_workers", self.min_workers, f"at most {wanted}, the run's workers")
         strategy_class.check_world(settings, wanted)
         check_batch_fits(prepared, wanted)
+        if self.auto_pilot is not None:
+            self.auto_pilot.chooser.workers = wanted
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
                                      f"{uuid.uuid4().hex[:6]}")
         self.placement = Placement(client, self.run_id, self.owner)
@@ -262,6 +271,7 @@ class Run(RunViews):
                                 "checkpoint_every_s": self.checkpoint_every_s, "min_workers": self.min_workers,
                                 "auto_join": self.auto_join},
             "queued_s": round(time.time() - self._requested_at, 3),  # waiting for free workers
+            "auto": self.auto_pilot is not None,
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]
@@ -402,14 +412,14 @@ class Run(RunViews):
         self.control.update(settings=settings)
         self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), **settings}])
 
-    def switch(self, strategy: str, **settings: Any) -> None:
+    def switch(self, strategy: str, by_auto: bool = False, **settings: Any) -> None:
         """Switch every worker to `strategy` (with `settings`, defaults for the rest) while the run trains.
 
         All workers change at one step: the largest any of them has reached when they meet (the others
         train up to it first). The weights and the optimizer state carry over: a parameter server starts
         from the averaged weights and optimizer state; workers leaving a parameter server take its
         weights and its optimizer state. Each worker records a 'switched' event. A paused run makes the
-        switch and stays paused.
+        switch and stays paused. A run started with strategy='auto' is pinned to what is asked here.
         """
         strategy_class = get_strategy(strategy)
         validated = make_settings(strategy, settings)
@@ -417,9 +427,18 @@ class Run(RunViews):
         strategy_class.check_world(validated, len(self.worker_addresses))
         state = self.control.switch(strategy, dataclasses.asdict(validated))
         self.strategy = strategy
+        if self.auto_pilot is not None and not by_auto:
+            self.auto_pilot.pin(self, f"switch('{strategy}') asked for by hand")
         self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), "switch_id": state.switch_id,
                                 "strategy": strategy, "settings": dataclasses.asdict(validated)}])
         self.announce(kinds.RUN_STATUS, settings=dataclasses.asdict(validated))
+
+    def pin(self) -> None:
+        """Keep the current strategy: turn `auto` off for the rest of the run (a switch by hand does too)."""
+        if self.auto_pilot is None:
+            raise TrainingError(f"run {getattr(self, 'run_id', '?')} was not started with strategy='auto': "
+                                "its strategy changes only when you switch it")
+        self.auto_pilot.pin(self, "pinned by hand")
 
     def checkpoint(self, timeout: float = 60.0) -> dict[str, Any]:
         """Take a checkpoint now (all workers at one step) and return where it was written."""
@@ -442,7 +461,9 @@ class Run(RunViews):
     def rerun(self, strategy: str | None = None, **settings: Any) -> Run:
         """Start a new run of the same job on the same cluster (this run's strategy and settings unless
         given), in the same parent run directory."""
-        if strategy is None:
+        if strategy is None and self.auto_pilot is not None:
+            strategy = AUTO
+        elif strategy is None:
             strategy, settings = self.strategy, {**self.settings, **settings}
         return train(self.job, strategy, client=self.client, workers=self._requested_workers,
                      run_dir=self._run_root, collective_timeout_s=self.collective_timeout_s,

@@ -64,6 +64,10 @@ def summary(run: Any) -> dict[str, Any]:
     warnings = run.warnings()
     if warnings:
         result["warnings"] = warnings
+    if getattr(run, "auto_pilot", None) is not None:  # strategy='auto': what it chose, and why
+        result["auto"] = {"on": run.auto_pilot.on, "decisions": [
+            {k: e.get(k) for k in ("step", "from", "to", "settings", "lr", "reason")}
+            for e in run.table.events(kinds.AUTO_DECISION)]}
     if run.error:
         result["error"] = run.error
     return result

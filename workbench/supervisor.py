@@ -136,6 +136,8 @@ class Supervisor:
             run.feed.publish_warnings()
             if run.status == "running" and self.regroup_to is None and run.checkpoints.due():
                 run.control.update(checkpoint_id=run.control.state.checkpoint_id + 1)
+            if run.auto_pilot is not None and self.regroup_to is None:
+                run.auto_pilot.tick(run, time.monotonic())
             if run.auto_join and self.roster.joined and self.regroup_to is None and run.status == "running":
                 self.add_workers(list(self.roster.joined), automatic=True)
         if any(f.status == "error" for f in futures) or self.roster.lost & set(addresses):

@@ -17,16 +17,18 @@ class StatusLine:
     def __init__(self, context: Context) -> None:
         self.context = context
         self.pane = pn.pane.Markdown("", sizing_mode="stretch_width")
-        self._drawn: tuple[str, int] | None = None  # the status and number of warnings on screen
+        self._drawn: tuple[Any, ...] | None = None  # the status, number of warnings and auto's line on screen
 
     def draw(self, view: dict[str, Any], force: bool) -> None:
         info, warnings = view["info"], view.get("warnings") or []
         # The rate changes with every step; the status and a new warning are news, shown at once.
-        if not self.context.screen.due("status", 1.0, force or (view["status"], len(warnings)) != self._drawn):
+        drawn = (view["status"], len(warnings), view.get("auto"))
+        if not self.context.screen.due("status", 1.0, force or drawn != self._drawn):
             return
-        self._drawn = (view["status"], len(warnings))
+        self._drawn = drawn
         role = self.context.access.role(self.context.user, info.get("owner"))
         self.context.screen.show("status", self.pane,
                                  f"**{view['status']}** · {info.get('strategy', '')} · owner {info.get('owner', '?')} · "
                                  f"{view['samples_per_s']:,.0f} samples/s · your role: {role}"
+                                 + (f"\n\n{view['auto']}" if view.get("auto") else "")
                                  + "".join(f"\n\n⚠ {text}" for text in warnings))

@@ -1,0 +1,62 @@
+"""`auto` on the client: every few seconds the last window of step records goes to the chooser
+(`auto.py`, pure); a choice is carried out with the live switch, and the learning rate it calls for, and
+recorded as an `auto-decision` event with its reason and measurements. A switch asked for by hand pins
+the strategy: `auto` is off from then on, and an `auto-pinned` event says so.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import kinds
+from .auto import Chooser, measure
+from .errors import WorkbenchError
+
+AUTO = "auto"
+START = "allreduce"  # exact, and the fastest where the link is fast: what `auto` starts with
+WINDOW_S = 2.0  # seconds of step records one judgement looks at
+
+
+class AutoPilot:
+    """Watches one run (ticked by its supervisor) and switches it when the chooser decides."""
+
+    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 20.0, window_s: float = WINDOW_S) -> None:
+        self.chooser = Chooser(workers, confirm, min_interval_s)
+        self.window_s = window_s
+        self.on = True
+        self.decisions = 0
+        self._next = 0.0
+
+    def tick(self, run: Any, now: float) -> None:
+        """Judge the last window when one is due; switch the run if the chooser says so."""
+        if not self.on or run.status != "running" or now < self._next:
+            return
+        self._next = now + self.window_s
+        workers = len(run.worker_addresses)
+        records = [r for r in run.table.recent_steps(self.window_s)
+                   if r.get("strategy") == run.strategy and r["worker"] < workers]
+        window = measure(records, run.strategy)
+        choice = self.chooser.observe(window, run.settings, now)
+        if choice is None:
+            return
+        lr = run.lr * choice.lr_factor
+        self.decisions += 1
+        steps = [r["step"] for r in run.table.last_steps().values()]
+        run.feed.publish({
+            "kind": kinds.AUTO_DECISION, "time": time.time(), "step": min(steps) if steps else 0,
+            "from": run.strategy, "to": choice.strategy,
+            "settings": choice.settings, "lr": lr, "reason": choice.reason,
+            "measured": {"exchange_in_steps": window.exchange_in_steps, "speed_spread": window.speed_spread,
+                         "compute_s": window.compute_s, "samples_per_s": window.samples_per_s}})
+        try:
+            if choice.lr_factor != 1.0:
+                run.set_lr(lr)
+            run.switch(choice.strategy, by_auto=True, **choice.settings)
+        except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
+            self.pin(run, f"the switch was refused: {error}")
+
+    def pin(self, run: Any, why: str) -> None:
+        """Turn `auto` off for good (a strategy chosen by hand), saying so once."""
+        if self.on:
+            self.on = False
+            run.feed.publish({"kind": kinds.AUTO_PINNED, "time": time.time(), "strategy": run.strategy, "why": why})
