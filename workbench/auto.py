@@ -47,10 +47,14 @@ class Window:
 
     @property
     def speed_spread(self) -> float:
-        """The slowest worker's speed against the fastest's (1: all equal), from their compute time per
-        step: under a synchronous strategy every worker's rate is the slowest's, so rates cannot tell."""
-        times = list(self.compute_s.values())
-        return min(times) / max(times) if times and max(times) > 0 else 1.0
+        """The slowest worker's speed against the others' (their median; 1: all equal), from compute time
+        per step: under a synchronous strategy every worker's rate is the slowest's, so rates cannot tell.
+        Against the median, not the fastest: on shared cores one worker often runs ahead for a while."""
+        if len(self.compute_s) < 2:
+            return 1.0
+        slowest = self.compute_s[self.slowest]
+        others = [t for w, t in self.compute_s.items() if w != self.slowest]
+        return statistics.median(others) / slowest if slowest > 0 else 1.0
 
     @property
     def slowest(self) -> int:
@@ -100,13 +104,15 @@ def _lr_factor(current: str, chosen: str, workers: int) -> float:
     return 1.0
 
 
-def fitting(window: Window, settings: dict[str, Any]) -> tuple[str, dict[str, Any], str] | None:
-    """The strategy and settings the window calls for, with the reason; None: the current one fits."""
-    spread, steps = window.speed_spread, window.exchange_in_steps
+def fitting(window: Window, settings: dict[str, Any], spread: float | None = None) -> tuple[str, dict[str, Any], str] | None:
+    """The strategy and settings the window calls for, with the reason; None: the current one fits.
+    `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one)."""
+    spread = window.speed_spread if spread is None else spread
+    steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
     if spread < STRAGGLER_BELOW and not asynchronous:
         return ("async", {"push_every": 4},
-                f"worker {window.slowest} computes at {spread:.0%} of the fastest's speed: async, push_every 4 (nobody waits)")
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: async, push_every 4 (nobody waits)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE:
         return None  # still uneven: stay asynchronous
     if steps is None:
@@ -135,14 +141,20 @@ class Chooser:
     """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
     times in a row first."""
 
-    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 20.0) -> None:
+    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 8.0) -> None:
         self.workers, self.confirm, self.min_interval_s = workers, confirm, min_interval_s
         self._candidate: tuple[str, tuple[tuple[str, Any], ...]] | None = None
         self._seen = 0
         self._last_choice_at = -math.inf
+        self.spread: float | None = None  # smoothed over windows: one noisy window decides nothing
 
     def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
-        found = fitting(window, settings) if window is not None else None
+        if window is not None:
+            spread = window.speed_spread
+            # Slowing down counts at once (a straggler must not be waited for); recovering is averaged
+            # over windows, as 3 workers on shared cores measure unevenly for seconds at a time.
+            self.spread = spread if self.spread is None or spread < self.spread else 0.5 * (self.spread + spread)
+        found = fitting(window, settings, self.spread) if window is not None else None
         if found is None:
             self._candidate, self._seen = None, 0
             return None

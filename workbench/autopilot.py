@@ -20,11 +20,13 @@ WINDOW_S = 2.0  # seconds of step records one judgement looks at
 class AutoPilot:
     """Watches one run (ticked by its supervisor) and switches it when the chooser decides."""
 
-    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 20.0, window_s: float = WINDOW_S) -> None:
+    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 8.0, window_s: float = WINDOW_S) -> None:
         self.chooser = Chooser(workers, confirm, min_interval_s)
         self.window_s = window_s
         self.on = True
         self.decisions = 0
+        self.judged = 0  # windows judged so far (a test waits on it)
+        self.last_window: Any = None  # what the last judgement saw
         self._next = 0.0
 
     def tick(self, run: Any, now: float) -> None:
@@ -37,6 +39,7 @@ class AutoPilot:
                    if r.get("strategy") == run.strategy and r["worker"] < workers]
         window = measure(records, run.strategy)
         choice = self.chooser.observe(window, run.settings, now)
+        self.judged, self.last_window = self.judged + 1, window
         if choice is None:
             return
         lr = run.lr * choice.lr_factor
