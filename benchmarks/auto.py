@@ -1,0 +1,144 @@
+"""`auto` against fixed strategies on the emulated hosts: time to a held-out accuracy target per condition.
+
+Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
+client, hosts 1 and 2 one `dask worker` each. The job: `digits`, MLP 64-256-256-10, batch 32 per worker,
+held-out evaluation every 10 steps on worker 0, each strategy's suggested SGD (`auto` starts with
+allreduce's and changes the lr as it switches). Conditions: the links unlimited, 100 Mbit/s, a straggler
+(host 2 at 30% of a core), and a link that changes halfway (unlimited, then 20 Mbit/s from
+`--change-after-s` seconds on). For each, the time from the first step to `--target` held-out accuracy of
+`allreduce`, `average` (period 16, overlapped), `async` (push_every 4) and `auto`; the best fixed one is
+chosen after the fact. The last line printed is one JSON object, also written to
+`benchmarks/results/auto-<label>.json`, with `worst_time_vs_best_fixed` (auto's largest ratio to the best
+fixed strategy over the conditions) and `changing_link_time_vs_best_fixed`.
+
+    python benchmarks/auto.py [--repeats 1] [--target 0.9] [--max-s 120] [--label cpu-2core]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
+           ("async p4", "async", {"push_every": 4}), ("auto", "auto", {})]
+CONDITIONS = ["unlimited", "100mbit", "straggler", "changing"]
+STRAGGLER_HOST, STRAGGLER_SHARE = 2, 0.3
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def set_condition(lab: Any, condition: str) -> None:
+    lab.set_rate("100mbit" if condition == "100mbit" else None)
+    lab.set_cpu(STRAGGLER_HOST, STRAGGLER_SHARE if condition == "straggler" else None)
+
+
+def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], condition: str,
+              arguments: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    import workbench
+    from workbench import kinds
+    from workbench.strategies import suggested_sgd
+
+    sgd = suggested_sgd("allreduce" if strategy == "auto" else strategy)
+    job = workbench.Job(model=workbench.mlp(64, 10, [256, 256]), data="digits", batch_size=32, epochs=100_000,
+                        eval_every=10, seed=0, **sgd)
+    set_condition(lab, condition)
+    run = workbench.train(job, strategy, client=client, run_dir=scratch, checkpoint_every_s=None, **settings)
+    changer = None
+    if condition == "changing":  # the link slows down halfway, while the run trains
+        changer = threading.Timer(arguments.change_after_s, lab.set_rate, args=("20mbit",))
+        changer.start()
+    hit, began = None, time.monotonic()
+    try:
+        while not run.done and time.monotonic() - began < arguments.max_s:
+            evaluations = run.evaluations
+            if not evaluations.empty and (evaluations["accuracy"] >= arguments.target).any():
+                hit = evaluations[evaluations["accuracy"] >= arguments.target].iloc[0]
+                break
+            time.sleep(0.1)
+    finally:
+        if changer is not None:
+            changer.cancel()
+        set_condition(lab, "unlimited")  # the end of the run (final exchange) at full speed
+        run.stop()
+        run.wait(300)
+    frame = run.metrics
+    first = frame.loc[frame["time"].idxmin()]
+    origin = first["time"] - (first["compute_s"] + first["comm_s"] + first["wait_s"])
+    return {"seconds": float(hit["time"] - origin) if hit is not None else None,
+            "steps": int(hit["step"]) if hit is not None else None,
+            "decisions": [{"after_s": round(e["time"] - origin, 1), "to": e["to"], "settings": e["settings"],
+                           "lr": e["lr"], "reason": e["reason"]} for e in run.events(kinds.AUTO_DECISION)],
+            **sgd}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--max-s", type=float, default=120.0)
+    parser.add_argument("--change-after-s", type=float, default=8.0)
+    parser.add_argument("--label", default="cpu-2core")
+    arguments = parser.parse_args()
+    from workbench import lab as labs
+
+    reason = labs.available()
+    if reason is not None:
+        sys.exit(f"no emulated hosts here: {reason}")
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with labs.Lab(hosts=3) as lab, tempfile.TemporaryDirectory() as scratch:
+        lab.start_cluster()
+        client = lab.connect(workers=2)
+        for repeat in range(arguments.repeats):
+            for condition in (CONDITIONS if repeat % 2 == 0 else CONDITIONS[::-1]):
+                for name, strategy, settings in (CONFIGS if repeat % 2 == 0 else CONFIGS[::-1]):
+                    client.wait_for_workers(2, timeout=60)
+                    result = to_target(lab, client, strategy, settings, condition, arguments, Path(scratch))
+                    cells.setdefault((condition, name), []).append(result)
+                    print(f"repeat {repeat + 1}: {condition:9s} {name:12s} "
+                          f"{result['seconds'] if result['seconds'] is not None else 'not reached':>8} s "
+                          f"{[d['reason'] for d in result['decisions']]}", flush=True)
+        client.close()
+
+    def median_s(condition: str, name: str) -> float | None:
+        times = [c["seconds"] for c in cells[(condition, name)] if c["seconds"] is not None]
+        return statistics.median(times) if len(times) == len(cells[(condition, name)]) else None
+
+    table, ratios = {}, {}
+    for condition in CONDITIONS:
+        fixed = {name: median_s(condition, name) for name, _, _ in CONFIGS if name != "auto"}
+        reached = {name: s for name, s in fixed.items() if s is not None}
+        best = min(reached, key=reached.get) if reached else None
+        auto_s = median_s(condition, "auto")
+        ratio = auto_s / reached[best] if best and auto_s is not None else None
+        table[condition] = {"seconds": {**fixed, "auto": auto_s}, "best_fixed": best, "auto_vs_best_fixed": ratio,
+                            "auto_decisions": [c["decisions"] for c in cells[(condition, "auto")]]}
+        ratios[condition] = ratio
+    print(f"\n{'condition':10s} " + " ".join(f"{name:>12s}" for name, _, _ in CONFIGS) + "   auto/best")
+    for condition, row in table.items():
+        cells_text = " ".join(f"{row['seconds'][name]:12.1f}" if row["seconds"][name] is not None else f"{'-':>12s}"
+                              for name, _, _ in CONFIGS)
+        ratio = row["auto_vs_best_fixed"]
+        print(f"{condition:10s} {cells_text}   {ratio:.2f} ({row['best_fixed']})" if ratio else f"{condition:10s} {cells_text}   -")
+    known = [r for r in ratios.values() if r is not None]
+    result = {"machine": f"{platform.machine()}, 2 worker hosts on one VM", "date": datetime.date.today().isoformat(),
+              "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
+              "worst_time_vs_best_fixed": max(known) if len(known) == len(ratios) else None,
+              "changing_link_time_vs_best_fixed": ratios["changing"]}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"auto-{arguments.label}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "conditions"}))
+
+
+if __name__ == "__main__":
+    main()
