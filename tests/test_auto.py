@@ -103,7 +103,7 @@ def test_a_window_is_measured_from_step_records():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
-def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_hand_switch_pins_it(client, run_dir):
+def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammate_pins_it(client, run_dir):
     import workbench
     from workbench import kinds
     from workbench.run import Run
@@ -121,10 +121,15 @@ def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_hand_sw
         assert decision["lr"] == pytest.approx(0.05)  # the lr follows the move to the server: / 2 workers
         switched = run.wait_for_event(kinds.SWITCHED, since=decision["time"], timeout=60)
         assert {e["to"] for e in switched} == {"async"} and run.lr == pytest.approx(0.05)
-        # A switch by hand pins the strategy: auto is off and says so.
-        run.switch("average", period=4)
+        # A teammate pins it from the dashboard (a control request): auto is off and says so; a switch
+        # by hand afterwards changes the strategy and nothing of auto.
+        workbench.registry.send_control_request(client, run.run_id, "pin", "teammate")
         pinned = _wait_for_kind(run, kinds.AUTO_PINNED, timeout_s=30)
-        assert pinned[0]["why"] == "switch('average') asked for by hand" and not run.auto_pilot.on
+        assert pinned[0]["why"] == "pinned by hand" and pinned[0]["strategy"] == "async" and not run.auto_pilot.on
+        answered = _wait_for_kind(run, kinds.CONTROL_REQUEST, timeout_s=30)
+        assert answered[0]["action"] == "pin" and answered[0]["ok"] and answered[0]["by"] == "teammate"
+        run.switch("average", period=4)
+        assert len(run.events(kinds.AUTO_PINNED)) == 1 and run.strategy == "average"
     finally:
         run.stop()
         run.wait(120)

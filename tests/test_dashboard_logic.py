@@ -160,6 +160,14 @@ def test_session_refuses_control_on_the_server_for_viewers_and_ended_runs(tmp_pa
     assert owner.controls.act("set_lr", lr=0.02) and owner.controls.act("switch", strategy="average", settings='{"period": 3}')
     assert hub.sent == [("live", "set_lr", "olivia", {"lr": 0.02}),
                         ("live", "switch", "olivia", {"strategy": "average", "settings": {"period": 3}})]
+    # Pin is for runs started with strategy='auto' only.
+    owner.refresh()
+    assert owner.controls.pin_button.disabled and not owner.controls.switch_button.disabled
+    hub.feed("live").describe({"auto": True})  # what the run's registration says of a run started as 'auto'
+    owner.refresh()
+    assert not owner.controls.pin_button.disabled
+    owner.controls.pin_button.clicks += 1
+    assert hub.sent[-1] == ("live", "pin", "olivia", {})
     owner.run_select.value = "done"
     assert owner.controls.act("stop") is False and "ended" in owner.controls.message.object
     hub.close()

@@ -76,6 +76,9 @@ class ControlPanel:
         self.switch_button = ipw.Button(description="Switch", icon="exchange", button_style="warning",
                                         tooltip="switch the running run to this strategy at one step")
         self.switch_button.on_click(self._guarded("switch", self._on_switch))
+        # strategy='auto' changes strategy by itself; Pin keeps the current one (so does a Switch).
+        self.pin_button = ipw.Button(description="Pin", icon="thumb-tack", tooltip="auto: keep the current strategy")
+        self.pin_button.on_click(self._guarded("pin", lambda _: self.run.pin()))
         self.strategy_dropdown.observe(lambda change: self._show_settings(change["new"]), names="value")
         self._show_settings(self.run.strategy)
 
@@ -90,7 +93,8 @@ class ControlPanel:
         controls = ipw.VBox([
             ipw.HBox([self.start_button, self.pause_button, self.resume_button, self.stop_button]),
             ipw.HBox([self.lr_slider, self.period_slider]),
-            ipw.HBox([self.strategy_dropdown, self.switch_button]), self.strategy_help, self.settings_box,
+            ipw.HBox([self.strategy_dropdown, self.switch_button, self.pin_button]), self.strategy_help,
+            self.settings_box,
         ])
         plots = ipw.HBox([self.loss_figure, self.throughput_figure,
                           ipw.VBox([self.staleness_figure, self.staleness_text])])
@@ -222,6 +226,8 @@ class ControlPanel:
         self.resume_button.disabled = status != "paused"
         self.stop_button.disabled = status not in ("running", "paused", "queued")  # a queued run leaves the queue
         self.switch_button.disabled = status not in ("running", "paused")
+        pilot = getattr(self.run, "auto_pilot", None)
+        self.pin_button.disabled = pilot is None or not pilot.on or status not in ("running", "paused")
         self.lr_slider.disabled = status not in ("running", "paused")
         self.lr_slider.value = s["lr"]
         setting = PERIOD_SETTINGS.get(s["strategy"])

@@ -20,6 +20,7 @@ RUNS_TOPIC = "workbench-runs"
 # What another client may ask a run to do, and the arguments each action takes.
 CONTROL_ACTIONS: dict[str, tuple[str, ...]] = {
     "pause": (), "resume": (), "stop": (), "set_lr": ("lr",), "switch": ("strategy", "settings"),
+    "pin": (),  # strategy='auto': keep the current strategy
 }
 
 

@@ -41,7 +41,7 @@ class RequestServer:
         run = self.run
         action, arguments = request.get("action"), dict(request.get("arguments") or {})
         try:
-            if action in ("pause", "resume", "stop"):
+            if action in ("pause", "resume", "stop", "pin"):
                 getattr(run, action)()
             elif action == "set_lr":
                 run.set_lr(arguments.get("lr"))

@@ -41,6 +41,8 @@ class Controls:
         self.strategy_select.param.watch(lambda event: setattr(self.settings_input, "value", settings_json(event.new)),
                                          "value")
         self.switch_button = pn.widgets.Button(label="Switch strategy", color="primary", width=140)
+        # A run started with strategy='auto' changes strategy by itself; this keeps the current one.
+        self.pin_button = pn.widgets.Button(label="Pin strategy", width=120)
         self.message = pn.pane.Markdown("", css_classes=["control-message"])
         self.pause_button.on_click(lambda _: self.act("pause"))
         self.resume_button.on_click(lambda _: self.act("resume"))
@@ -48,10 +50,12 @@ class Controls:
         self.lr_button.on_click(lambda _: self.act("set_lr", lr=self.lr_input.value))
         self.switch_button.on_click(lambda _: self.act("switch", strategy=self.strategy_select.value,
                                                        settings=self.settings_input.value))
-        self.buttons = (self.pause_button, self.resume_button, self.stop_button, self.lr_button, self.switch_button)
+        self.pin_button.on_click(lambda _: self.act("pin"))
+        self.buttons = (self.pause_button, self.resume_button, self.stop_button, self.lr_button, self.switch_button,
+                        self.pin_button)
         self.layout = pn.Column(
             pn.Row(self.pause_button, self.resume_button, self.stop_button, self.lr_input, self.lr_button,
-                   self.strategy_select, self.settings_input, self.switch_button),
+                   self.strategy_select, self.settings_input, self.switch_button, self.pin_button),
             self.message, sizing_mode="stretch_width")
 
     def draw(self, view: dict[str, Any], force: bool) -> None:
@@ -59,8 +63,9 @@ class Controls:
         owner = view["info"].get("owner")
         allowed = self.context.access.may_control(self.context.user, owner) and view["status"] not in ENDED
         for button in self.buttons:
-            if button.disabled == allowed:
-                button.disabled = not allowed
+            usable = allowed and (button is not self.pin_button or bool(view["info"].get("auto")))
+            if button.disabled == usable:
+                button.disabled = not usable
 
     def act(self, action: str, **arguments: Any) -> bool:
         """Send a control request for the picked run, if this session's user may; True when sent.
