@@ -35,12 +35,12 @@ def job(**changes) -> workbench.Job:
     return workbench.Job(**fields)
 
 
-def reference(the_job: workbench.Job, run) -> dict[str, torch.Tensor]:
+def reference(the_job: workbench.Job, run, world: int = WORLD) -> dict[str, torch.Tensor]:
     """A plain PyTorch loop, one process: at each step, the mean of the ranks' losses on the batches
     each rank took at that step."""
     prepared = the_job.prepare()
     data = prepared.train.load()
-    shards = [Shard(data, WORLD, rank, the_job.seed, run.shard_samples, False) for rank in range(WORLD)]
+    shards = [Shard(data, world, rank, the_job.seed, run.shard_samples, False) for rank in range(world)]
     per_epoch = run.shard_samples // the_job.batch_size
     model = the_job.model()
     optimizer = make_optimizer(the_job, model.parameters())
@@ -52,7 +52,7 @@ def reference(the_job: workbench.Job, run) -> dict[str, torch.Tensor]:
         for shard in shards:
             inputs, targets = data.batch(shard.epoch_batches(epoch, the_job.batch_size)[index])
             losses.append(loss_fn(model(inputs), targets))
-        (sum(losses) / WORLD).backward()
+        (sum(losses) / world).backward()
         optimizer.step()
     return model.state_dict()
 
@@ -83,6 +83,16 @@ def test_averaging_every_step_without_momentum_is_the_same_sgd():
 
 VARIANTS = [(name, {}) for name in sorted(STRATEGIES)] + [
     ("average", {"overlap": True, "period": 2}), ("async", {"compression": "topk", "topk_ratio": 0.1})]
+
+
+@pytest.mark.parametrize("strategy", ["async", "ssp"])
+def test_the_parameter_server_with_one_worker_is_the_plain_loop(strategy):
+    # One worker pushing every step and waiting for each reply: the server's optimizer (the job's SGD with
+    # momentum) sees exactly the plain loop's gradients, at staleness 0.
+    the_job = job()
+    run = train_in_process(the_job, strategy, 1, overlap=False)
+    assert {r["staleness"] for r in run.steps() if r.get("staleness") is not None} == {0}
+    assert_same_weights(run.results[0]["state_dict"], reference(the_job, run, world=1))
 
 
 @pytest.mark.parametrize("strategy,settings", VARIANTS, ids=[f"{n}{'-' if s else ''}{'-'.join(s)}" for n, s in VARIANTS])
