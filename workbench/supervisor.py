@@ -180,8 +180,9 @@ class Supervisor:
             self._fail(futures, addresses)
             return None
         # A lost worker (back under the same address it is a new one) and a join under way are given
-        # back: the survivors go on (add workers again).
-        run.placement.give_back(sorted(lost | set(self.regroup_to or []) - set(addresses)))
+        # back (below, once the regroup is announced; when the run ends here, all are): the survivors go
+        # on (add workers again).
+        released = sorted(lost | set(self.regroup_to or []) - set(addresses))
         self.regroup_to = None
         checkpoint = run.checkpoints.latest
         from_step = checkpoint["step"] if checkpoint else 0
@@ -202,6 +203,7 @@ class Supervisor:
         run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                           "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
                           "reason": "workers lost"})
+        run.placement.give_back(released)  # a scheduler round trip: after the announcement, not before
         return list(verdict.workers), checkpoint
 
     def _wait_for_survivors(self, futures: list[Any], addresses: list[str]) -> None:
