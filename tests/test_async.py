@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.launcher import present_workers
 from workbench.compression import encode
 from workbench.run import Run
 from workbench.server import ServerClient, merge_replies, start_parameter_server
@@ -24,7 +25,7 @@ def digits_job(**changes):
 
 def scripted_schedule(client, shards, job, weights):
     """Drive a server from the client with a fixed interleaving of fetches and pushes."""
-    addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    addresses = present_workers(client)
     handle = start_parameter_server(client, f"script-{shards}", addresses, weights, job, shards, 2,
                                     staleness_aware_lr=True)
     server = ServerClient(handle, timeout_s=30)
@@ -71,7 +72,7 @@ def test_server_applies_the_optimizer_exactly_with_staleness_aware_lr(client):
 
 def test_ssp_wait_runs_on_the_event_loop_and_releases_when_the_slowest_catches_up(client):
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits")
-    addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    addresses = present_workers(client)
     handle = start_parameter_server(client, "ssp-wait", addresses, torch.zeros(10), job, 1, 2, False)
     shard = handle.actors[0]
     try:

@@ -64,3 +64,19 @@ def test_gpu_branch_starts_local_cuda_cluster_with_one_worker_per_gpu(monkeypatc
     with pytest.raises(RuntimeError, match="stand-in"):
         workbench.connect(workers=2)
     assert calls["n_workers"] == 2 and calls["threads_per_worker"] == 1 and calls["device_memory_limit"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_workers_present_are_never_the_clients_cached_empty_list():
+    # The client refreshes its cached scheduler identity (with 0 workers) on a timer; at 1 ms the old way
+    # (scheduler_info(n_workers=-1), then the cache) said "no workers" in 33 of 500 calls here.
+    from distributed import Client, LocalCluster
+
+    from workbench.launcher import present_workers
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}), \
+            LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(2, timeout=30)
+        expected = sorted(cluster.scheduler.workers)
+        assert [present_workers(client) for _ in range(300)] == [expected] * 300

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.launcher import present_workers
 from workbench.compression import encode
 from workbench.replies import KnownWeights
 from workbench.run import Run
@@ -32,7 +33,7 @@ def topk_bytes(n, ratio=0.01, shards=1):
 def test_two_shards_reply_with_changes_that_bring_a_worker_exactly_to_the_server_weights(client):
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1)
     n, ratio = 4810, 0.05
-    addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    addresses = present_workers(client)
     handle = start_parameter_server(client, "replies", addresses, torch.randn(n), job, 2, 2, False,
                                     replies=("topk", ratio, 1e-3))
     server = ServerClient(handle, timeout_s=30)

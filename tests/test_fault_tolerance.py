@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.launcher import present_workers
 from workbench import checkpoint as checkpoints
 from workbench.rundir import read_metrics
 
@@ -183,7 +184,7 @@ def test_workers_joining_mid_run_are_added_and_train(cluster3, tmp_path):
                         momentum=0.9, loss=_slow_loss)
     run = workbench.train(job, "allreduce", client=cluster3, workers=2, run_dir=tmp_path, auto_join=True,
                           collective_timeout_s=TIMEOUT_S, checkpoint_every_s=None)
-    idle = [a for a in cluster3.scheduler_info(n_workers=-1)["workers"] if a not in run.worker_addresses]
+    idle = [a for a in present_workers(cluster3) if a not in run.worker_addresses]
     run.wait_for_step(20, timeout=60)
     cluster3.cluster.scale(4)  # a worker joins the cluster: added automatically
     wait_until(lambda: len(run.events("regrouped")) >= 1, timeout_s=60)

@@ -14,6 +14,7 @@ import pytest
 from distributed import Security
 
 import workbench
+from workbench.launcher import present_workers
 from workbench.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
 
@@ -65,7 +66,7 @@ def digits_job(**changes):
 ])
 def test_tls_local_cluster_trains_to_080_heldout_accuracy(tls_client, tmp_path, strategy, changes):
     assert tls_client.scheduler.address.startswith("tls://")
-    workers = tls_client.scheduler_info(n_workers=-1)["workers"]
+    workers = present_workers(tls_client)
     assert len(workers) == 2 and all(address.startswith("tls://") for address in workers)
     run = workbench.train(digits_job(**changes), strategy, client=tls_client, run_dir=tmp_path / "runs")
     assert run.wait(timeout=180) == "finished"

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.launcher import present_workers
 from workbench.rundir import read_metrics
 
 from helpers import wait_until
@@ -141,7 +142,7 @@ FAILURES = {"model-factory": _model_job, "dataset": _dataset_job, "loss": _loss_
 
 
 def _worker_addresses(client) -> list[str]:
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])  # the ranks' order in a run
+    return present_workers(client)  # the ranks' order in a run
 
 
 def _children() -> list[int]:

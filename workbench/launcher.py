@@ -90,9 +90,20 @@ def resolve_client(client: Client | None) -> Client:
                           "Start one with client = workbench.connect() and pass client=client") from None
 
 
+def present_workers(client: Client) -> list[str]:
+    """The addresses of every worker the scheduler knows now, asked of the scheduler itself.
+
+    Not `client.scheduler_info(n_workers=-1)`: that returns the client's cached identity after refreshing
+    it, and the client's own refresh every 2 s (`scheduler-info-interval`, asking for 0 workers) can land
+    between the two, so under load it now and then said the cluster had no workers (seen in a full test
+    run: a run refused at start, and a regroup would have counted every worker lost).
+    """
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def wanted_workers(client: Client, requested: int | None) -> int:
     """How many workers the run asks for: `requested`, or as many as the cluster has."""
-    present = len(client.scheduler_info(n_workers=-1)["workers"])
+    present = len(present_workers(client))
     if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
         raise ConfigError("workers", requested, "an integer >= 1")
     if not present:

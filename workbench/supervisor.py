@@ -18,7 +18,7 @@ from distributed.scheduler import KilledWorker
 from . import kinds
 from . import regroup
 from .errors import ConfigError, DivergenceError
-from .launcher import FutureWatch, LaunchOptions, check_batch_fits, launch
+from .launcher import FutureWatch, LaunchOptions, check_batch_fits, launch, present_workers
 from .membership import Roster
 from .metrics import topic
 from .registry import requests_topic
@@ -165,7 +165,7 @@ class Supervisor:
         # Workers leave at their next step or as their peers' connections close; one still busy after a
         # whole timeout more is stuck (in user code, say) and counts as lost.
         self._wait_for_survivors(futures, addresses)
-        present = set(run.client.scheduler_info(n_workers=-1)["workers"])
+        present = set(present_workers(run.client))
         tasks = [regroup.TaskEnd(address, future.done(), future.status == "error"
                                  and isinstance(future.exception(), KilledWorker))
                  for future, address in zip(futures, addresses)]
@@ -296,7 +296,7 @@ class Supervisor:
         """Ask the group to stop at one step and go on with `addresses` added (default: every free
         worker); refused (automatic: published as 'join-refused') when they are held or do not fit."""
         run = self.run
-        present = sorted(run.client.scheduler_info(n_workers=-1)["workers"])
+        present = present_workers(run.client)
         if addresses is None:  # every free worker (those no other run holds)
             addresses = run.placement.free_workers()
         unknown = [a for a in addresses if a not in present]
