@@ -117,9 +117,11 @@ def test_teammates_starting_at_the_same_moment_never_collide(free_cluster, sched
 
 def test_runs_side_by_side_and_joins_and_resumes_take_only_free_workers(free_cluster, tmp_path):
     client = free_cluster
-    two = workbench.train(short_job(epochs=400), "allreduce", client=client, workers=2, run_dir=tmp_path)
+    two = workbench.train(short_job(epochs=20), "allreduce", client=client, workers=2, run_dir=tmp_path)
+    two.pause()  # holds its two workers, paused, while the checks below run: nothing depends on timing
     one = workbench.train(short_job(epochs=3), "allreduce", client=client, workers=1, run_dir=tmp_path)
     (other,) = one.config["workers"]
+    resumed = None
     try:
         # Growing into workers: none is free, and the one asked for by name is another run's.
         assert two.add_workers() == two.config["workers"] and not two.events("regrouped")
@@ -132,10 +134,15 @@ def test_runs_side_by_side_and_joins_and_resumes_take_only_free_workers(free_clu
             workbench.resume(one.directory.path, client=client, workers=2)
         resumed = workbench.resume(one.directory.path, client=client, workers=2, queue=True)
         assert resumed.status == "queued"
+        # Both side-by-side runs finish, every step done; the queued resume then starts on freed workers.
+        two.resume()
+        assert two.wait(120) == "finished" and two.summary()["steps_done"] == two.total_steps
+        assert not two.events("regrouped")
+        assert resumed.wait(120) == "finished" and resumed.events("run-resumed")
     finally:
-        two.stop()
-    assert two.wait(120) == "stopped" and not two.events("regrouped")
-    assert resumed.wait(120) == "finished" and resumed.events("run-resumed")
+        two.interrupt(5)
+        if resumed is not None:
+            resumed.interrupt(5)
     assert len(leases.view(client)["free"]) == 3  # every run gave its workers back as it ended
 
 

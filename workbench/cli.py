@@ -71,6 +71,10 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
                      help="on a shared cluster, wait for enough free workers instead of being refused")
     run.add_argument("--timeout", type=_positive_float, default=60.0, dest="collective_timeout_s",
                      help="seconds any wait on another worker may take before that worker counts as lost")
+    run.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
+                     help="export live to TensorBoard event files: in the run's directory, or under DIR")
+    run.add_argument("--mlflow", nargs="?", const=True, default=False, metavar="URI",
+                     help="export live to MLflow: MLFLOW_TRACKING_URI or sqlite:///mlflow.db here, or URI")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--oversubscribe", action="store_true",
                      help="start more local workers than this machine's cores and memory hold")
@@ -130,10 +134,13 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _train(arguments: argparse.Namespace) -> int:
     fault_tolerance = {name: getattr(arguments, name) for name in FAULT_TOLERANCE_FLAGS}
+    exports = {name: getattr(arguments, name) for name in EXPORT_FLAGS}
     if arguments.resume is not None:
         checkpoints.load(arguments.resume)  # refuse a directory without a checkpoint before starting a cluster
+        given = {name: value for name, value in exports.items() if value is not False}
         return _with_client(arguments, lambda client: resume(arguments.resume, client=client,
-                                                             workers=arguments.workers, **fault_tolerance))
+                                                             workers=arguments.workers, **fault_tolerance,
+                                                             **given))
     splits = resolve_dataset(arguments.dataset, "--dataset")
     features, classes = _shape_of(splits.train)
     lr, momentum = _hyperparameters(arguments)
@@ -149,7 +156,7 @@ def _train(arguments: argparse.Namespace) -> int:
         make_settings(arguments.strategy, settings)
     return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
                                                         workers=arguments.workers, run_dir=arguments.run_dir,
-                                                        **fault_tolerance, **settings))
+                                                        **fault_tolerance, **exports, **settings))
 
 
 def _hyperparameters(arguments: argparse.Namespace) -> tuple[float, float]:
@@ -196,6 +203,7 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
 # Command-line flags that are train() options for checkpoints, lost and joining workers, and the queue.
 FAULT_TOLERANCE_FLAGS = ("checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
                          "collective_timeout_s", "queue")
+EXPORT_FLAGS = ("tensorboard", "mlflow")  # train() options too; a resumed run keeps its exports unless given
 
 
 def _follow(run: Any, disable: bool) -> None:

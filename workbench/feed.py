@@ -34,6 +34,7 @@ class RunFeed:
         self.generation = -1
         self.finished_ranks: set[int] = set()  # of the current generation
         self.on_checkpoint_ready: Callable[[dict[str, Any]], None] = lambda message: None
+        self.exports: Any = None  # export.Exports, when the run exports to TensorBoard or MLflow
         self._warnings: SimpleQueue = SimpleQueue()
 
     def open(self, client: Any, run_id: str, directory: Any) -> None:
@@ -49,6 +50,8 @@ class RunFeed:
         records = expand(message)
         self.table.add(records)
         self.directory.append(records)
+        if self.exports is not None:
+            self.exports.put(records)  # queued: written on the exports' own thread
         kind = message.get("kind")
         if kind == kinds.STEPS and self.loss_watch is not None:
             for record in records:

@@ -32,6 +32,7 @@ from .autopilot import AUTO, START as AUTO_START, AutoPilot
 from .checks import check_run_options
 from .control import ControlState, ControlWriter
 from .errors import ConfigError, DivergenceError, ResumeError, TrainingError
+from .export import Exports, check_export_options
 from .feed import RunFeed, announce
 from .health import LossWatch
 from .job import Job, PreparedJob, check_lr
@@ -51,7 +52,8 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
           run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
           start: bool = True, owner: str | None = None, checkpoint_every_steps: int | None = None,
           checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
-          queue: bool = False, **settings: Any) -> Run:
+          queue: bool = False, tensorboard: bool | str = False, mlflow: bool | str = False,
+          **settings: Any) -> Run:
     """Start training `job` on the cluster behind `client` and return its `Run` at once (non-blocking).
 
     strategy: a name from `workbench.STRATEGIES`; `settings` are that strategy's settings (e.g. period=4).
@@ -69,6 +71,11 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
     fewer than this many are left.
     auto_join: workers joining the cluster during the run are added to it (else: `run.add_workers()`).
     start: False returns the run unstarted, for `run.start()` later (or the panel's Start button).
+    tensorboard: export live to TensorBoard event files: True puts them in the run's directory
+    (`tensorboard --logdir runs` compares runs), a directory puts them in a subdirectory per run there.
+    mlflow: export live to MLflow: True uses `MLFLOW_TRACKING_URI`, else MLflow's own local default
+    (`sqlite:///mlflow.db` in the working directory); a string is the tracking URI. The experiment is
+    `MLFLOW_EXPERIMENT_NAME` (default "workbench").
     owner: who the run belongs to (default: the operating-system user); on a team dashboard with
     authentication, this user and the listed admins may control the run.
     In a notebook the run displays as its control panel.
@@ -76,7 +83,8 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
     run = Run(job, strategy, client=client, workers=workers, run_dir=run_dir, name=name,
               collective_timeout_s=collective_timeout_s, settings=settings, owner=owner,
               checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_s=checkpoint_every_s,
-              min_workers=min_workers, auto_join=auto_join, queue=queue)
+              min_workers=min_workers, auto_join=auto_join, queue=queue, tensorboard=tensorboard,
+              mlflow=mlflow)
     if start:
         run.start()
     return run
@@ -89,6 +97,7 @@ def resume(run_dir: str | Path, *, client: Client | None = None, workers: int | 
 
     job: the run's job, when the directory holds none (jobs whose data could not be saved with it).
     options: train() options to change (collective_timeout_s, checkpoint_every_steps, min_workers, ...).
+    A run exported to TensorBoard or MLflow goes on in the same event directory and MLflow run.
     """
     path = Path(run_dir) if isinstance(run_dir, (str, Path)) else None
     if path is None or not path.is_dir():
@@ -112,7 +121,7 @@ def resume(run_dir: str | Path, *, client: Client | None = None, workers: int | 
     torch.manual_seed(job.seed)
     checkpoints.check_matches_model(saved, job.model(), str(path / checkpoints.CHECKPOINT_FILE))
     known = {"collective_timeout_s", "checkpoint_every_steps", "checkpoint_every_s", "min_workers", "auto_join",
-             "owner", "queue"}
+             "owner", "queue", "tensorboard", "mlflow"}
     for key in options:
         if key not in known:
             raise ConfigError(key, options[key], f"one of {', '.join(sorted(known))}",
@@ -122,9 +131,11 @@ def resume(run_dir: str | Path, *, client: Client | None = None, workers: int | 
               "checkpoint_every_steps": previous.get("checkpoint_every_steps"),
               "checkpoint_every_s": previous.get("checkpoint_every_s", 60.0),
               "min_workers": previous.get("min_workers", 1), "auto_join": previous.get("auto_join", False),
-              "owner": config.get("owner"), **options}
+              "owner": config.get("owner"),
+              "tensorboard": bool(config.get("export", {}).get("tensorboard")),
+              "mlflow": bool(config.get("export", {}).get("mlflow")), **options}
     run = Run(job, saved["strategy"], client=client, workers=workers, run_dir=path.parent, name=path.name,
-              settings=dict(saved["settings"]), resume_from=saved, **merged)
+              settings=dict(saved["settings"]), resume_from=saved, exported=config.get("export"), **merged)
     if start:
         run.start()
     return run
@@ -142,7 +153,8 @@ class Run(RunViews):
                  settings: dict[str, Any], step_delays: dict[int, float] | None = None,
                  owner: str | None = None, checkpoint_every_steps: int | None = None,
                  checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
-                 resume_from: dict[str, Any] | None = None, queue: bool = False) -> None:
+                 resume_from: dict[str, Any] | None = None, queue: bool = False, tensorboard: bool | str = False,
+                 mlflow: bool | str = False, exported: dict[str, Any] | None = None) -> None:
         if owner is not None and (not isinstance(owner, str) or not owner.strip()):
             raise ConfigError("owner", owner, "a non-empty user name, or None for the operating-system user")
         self.owner = owner or _system_user()
@@ -160,6 +172,9 @@ class Run(RunViews):
         self.min_workers = min_workers
         self.auto_join = auto_join
         self.queue = queue
+        check_export_options(tensorboard, mlflow)
+        self._export_options = (tensorboard, mlflow, exported)  # opened once the run has its directory
+        self.exports: Exports | None = None
         self._resume_from = resume_from
         self.lifecycle = Lifecycle()
         self.table = MetricsTable()
@@ -275,6 +290,9 @@ class Run(RunViews):
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]
+        tensorboard, mlflow, exported = self._export_options
+        self.exports = self.feed.exports = Exports.open(tensorboard, mlflow, self.config, self.directory.path,
+                                                        exported)
         self.checkpoints.open(self.directory.path, self.feed.publish)
         self.directory.write_json(CONFIG_FILE, self.config)
         if not resumed:
@@ -468,7 +486,8 @@ class Run(RunViews):
         return train(self.job, strategy, client=self.client, workers=self._requested_workers,
                      run_dir=self._run_root, collective_timeout_s=self.collective_timeout_s,
                      checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
-                     min_workers=self.min_workers, auto_join=self.auto_join, queue=self.queue, **settings)
+                     min_workers=self.min_workers, auto_join=self.auto_join, queue=self.queue,
+                     tensorboard=self._export_options[0], mlflow=self._export_options[1], **settings)
 
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "

@@ -64,6 +64,8 @@ def summary(run: Any) -> dict[str, Any]:
     warnings = run.warnings()
     if warnings:
         result["warnings"] = warnings
+    if getattr(run, "exports", None) is not None and run.exports.error:  # training went on without it
+        result["export_error"] = run.exports.error
     if getattr(run, "auto_pilot", None) is not None:  # strategy='auto': what it chose, and why
         result["auto"] = {"on": run.auto_pilot.on, "decisions": [
             {k: e.get(k) for k in ("step", "from", "to", "settings", "lr", "reason")}

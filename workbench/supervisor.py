@@ -269,6 +269,8 @@ class Supervisor:
         summary = run.summary()
         run.directory.write_json(SUMMARY_FILE, summary)
         run.directory.close()
+        if run.exports is not None:
+            run.exports.close(run.status)
         if connected:
             run.announce(kinds.RUN_STATUS, samples_per_s=summary.get("samples_per_s"), error=run.error)
 
