@@ -251,3 +251,58 @@ def test_a_run_that_is_not_learning_says_so_in_the_status_line_and_on_the_loss_c
         assert hub.feed("stalled").view()["markers"][-1]["label"] == "warning: not-learning"
     finally:
         hub.close()
+
+
+def test_the_switch_settings_are_a_form_made_from_the_strategy_not_a_json_box(tmp_path):
+    import panel as pn
+
+    from workbench.setting_flags import form_fields
+
+    _write_run(tmp_path, "live", "olivia", _steps(0, range(3)))
+
+    class RecordingHub(Hub):
+        sent: list = []
+
+        def request(self, run_id, action, by, **arguments):
+            self.sent.append((run_id, action, by, arguments))
+            return "id"
+
+    hub = RecordingHub(None, tmp_path).start()
+    try:
+        feed = hub.feed("live")
+        feed.status = "running"
+        feed.describe({"settings": {"period": 16, "overlap": True, "wire_dtype": "bf16", "outer_lr": 1.0,
+                                    "outer_momentum": 0.0, "average_optimizer_state": False}})
+        owner = DashboardSession(hub, Access(sign_in=True), user="olivia")
+        owner.run_select.value = "live"
+        owner.refresh()
+        controls = owner.controls
+        # The picked run's strategy, with its own values, one widget per setting of the kind it takes.
+        assert controls.strategy_select.value == "average"
+        form = controls.settings_form.widgets
+        assert list(form) == [field.name for field in form_fields("average")]
+        assert isinstance(form["overlap"], pn.widgets.Checkbox) and form["overlap"].value is True
+        assert isinstance(form["wire_dtype"], pn.widgets.Select) and form["wire_dtype"].value == "bf16"
+        assert isinstance(form["period"], pn.widgets.IntInput) and form["period"].value == 16
+        form["period"].value = 64
+        controls.switch_button.clicks += 1
+        assert hub.sent[-1] == ("live", "switch", "olivia", {"strategy": "average", "settings": {
+            "period": 64, "average_optimizer_state": False, "overlap": True, "wire_dtype": "bf16",
+            "outer_lr": 1.0, "outer_momentum": 0.0}})
+        # Another strategy: its defaults, an optional number left empty means its default (None).
+        controls.strategy_select.value = "async"
+        form = controls.settings_form.widgets
+        assert isinstance(form["fetch_every"], pn.widgets.TextInput) and form["fetch_every"].value == ""
+        assert form["reply_compression"].value is None and form["compression"].value == "none"
+        form["compression"].value = "topk"
+        form["fetch_every"].value = "16"
+        controls.switch_button.clicks += 1
+        assert hub.sent[-1][3]["settings"]["compression"] == "topk"
+        assert hub.sent[-1][3]["settings"]["fetch_every"] == 16 and hub.sent[-1][3]["settings"]["reply_compression"] is None
+        # A bad value is refused on the server with the strategy's own message, and nothing is sent.
+        form["push_every"].value = 0
+        sent = len(hub.sent)
+        controls.switch_button.clicks += 1
+        assert len(hub.sent) == sent and "push_every=0 is not allowed" in controls.message.object
+    finally:
+        hub.close()

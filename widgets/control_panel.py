@@ -7,7 +7,6 @@ while the run trains. Plots are bqplot widgets, so a refresh sends only numbers 
 """
 from __future__ import annotations
 
-import dataclasses
 import html
 import threading
 from typing import Any
@@ -16,9 +15,8 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
-from workbench.averaging import WIRE_DTYPES
 from workbench.lifecycle import FINISHED_STATES
-from workbench.compression import COMPRESSIONS
+from workbench.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, get_strategy
 
 # The live setting the period slider moves, per strategy: steps between synchronisations or pushes.
@@ -126,11 +124,9 @@ class ControlPanel:
     def _show_settings(self, strategy: str) -> None:
         """The chosen strategy's settings as form fields (its current values when it is the run's)."""
         strategy_class = get_strategy(strategy)
-        values = dataclasses.asdict(strategy_class.settings_class())
-        if strategy == self.run.strategy:
-            values.update(self.run.settings)
-        self.setting_widgets = {field.name: _setting_widget(field, values[field.name])
-                                for field in dataclasses.fields(strategy_class.settings_class)}
+        current = self.run.settings if strategy == self.run.strategy else {}
+        self.setting_widgets = {field.name: _setting_widget(field, current.get(field.name, field.value))
+                                for field in form_fields(strategy)}
         self.settings_box.children = list(self.setting_widgets.values())
         self.strategy_help.value = f"<small>{html.escape(strategy_class.summary)}</small>"
 
@@ -284,18 +280,16 @@ class ControlPanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def _setting_widget(field: dataclasses.Field, value: Any) -> ipw.Widget:
+def _setting_widget(field: FormField, value: Any) -> ipw.Widget:
+    """The widget for one setting, of the kind `form_fields` says (the dashboard's form follows the same)."""
     style = {"description_width": "initial"}
-    kind = str(field.type)
-    if kind == "bool":
+    if field.kind == "bool":
         return ipw.Checkbox(value=bool(value), description=field.name, style=style, indent=False)
-    if field.name == "compression":
-        return ipw.Dropdown(options=list(COMPRESSIONS), value=value, description=field.name, style=style)
-    if field.name == "wire_dtype":
-        return ipw.Dropdown(options=list(WIRE_DTYPES), value=value, description=field.name, style=style)
-    if kind == "int":
+    if field.kind == "choice":
+        return ipw.Dropdown(options=list(field.options), value=value, description=field.name, style=style)
+    if field.kind == "int":
         return ipw.IntText(value=value, description=field.name, style=style)
-    if kind == "float":
+    if field.kind == "float":
         return ipw.FloatText(value=value, description=field.name, style=style)
     # Optional numbers: empty means "the default behaviour" (None).
     return ipw.Text(value="" if value is None else str(value), description=field.name, style=style,
@@ -303,15 +297,7 @@ def _setting_widget(field: dataclasses.Field, value: Any) -> ipw.Widget:
 
 
 def _setting_value(widget: ipw.Widget) -> Any:
-    if isinstance(widget, ipw.Text):
-        text = widget.value.strip()
-        if not text:
-            return None
-        try:
-            return int(text)
-        except ValueError:
-            return text  # let the strategy's validation name the setting and what it allows
-    return widget.value
+    return parse_optional(widget.value) if isinstance(widget, ipw.Text) else widget.value
 
 
 def _value_at(steps: list[float], values: list[float], step: float) -> float:

@@ -1,9 +1,10 @@
-"""Command-line flags for every strategy setting, made from the settings dataclasses themselves.
+"""Command-line flags and form fields for every strategy setting, made from the settings dataclasses.
 
 One source of truth: a setting added to a strategy's dataclass is a flag of `workbench train` at once,
 with its type, its default and the first sentence of its docstring as help. Values are checked by the
 strategy's own `validate` (through `make_settings`), so the CLI and the Python API refuse the same
-values with the same message.
+values with the same message. `form_fields` describes the same settings for the notebook panel's and the
+dashboard's forms (which widget, which choices), so that both offer every setting the same way.
 """
 from __future__ import annotations
 
@@ -16,7 +17,65 @@ import types
 import typing
 from typing import Any
 
-from .strategies import STRATEGIES
+from .averaging import WIRE_DTYPES
+from .compression import COMPRESSIONS
+from .strategies import STRATEGIES, get_strategy
+
+# Settings whose values are a fixed set: a form offers them as a choice, as (label, value) pairs.
+CHOICES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "compression": tuple((c, c) for c in COMPRESSIONS),
+    "reply_compression": (("as compression", None),) + tuple((c, c) for c in COMPRESSIONS),
+    "wire_dtype": tuple((d, d) for d in WIRE_DTYPES),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FormField:
+    """One strategy setting as a form shows it."""
+
+    name: str
+    kind: str  # "bool", "choice" (one of `options`), "int", "float", or "optional": a number, empty for None
+    value: Any  # the strategy's default
+    options: tuple[tuple[str, Any], ...] = ()
+    help: str = ""
+
+
+def form_fields(strategy: str) -> list[FormField]:
+    """The settings of `strategy` in declaration order, each with the widget kind that fits it."""
+    settings_class = get_strategy(strategy).settings_class
+    hints = typing.get_type_hints(settings_class)
+    docs = _attribute_docs(settings_class)
+    defaults = dataclasses.asdict(settings_class())
+    fields = []
+    for field in dataclasses.fields(settings_class):
+        hint = hints[field.name]
+        optional = type(None) in typing.get_args(hint)
+        plain = _plain_type(hint)
+        if field.name in CHOICES:
+            kind = "choice"
+        elif plain is bool:
+            kind = "bool"
+        elif optional:
+            kind = "optional"
+        else:
+            kind = "int" if plain is int else "float"
+        fields.append(FormField(field.name, kind, defaults[field.name], CHOICES.get(field.name, ()),
+                                docs.get(field.name, "")))
+    return fields
+
+
+def parse_optional(text: str) -> Any:
+    """An optional number typed in a form: empty is None (the default behaviour), else the number, else
+    the text as typed, for the strategy's own check to name the setting and what it allows."""
+    text = text.strip()
+    if not text:
+        return None
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
 
 
 def setting_fields() -> dict[str, dict[str, Any]]:

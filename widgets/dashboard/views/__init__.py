@@ -12,7 +12,7 @@ lays out and draws every tab from that tuple.
 """
 from .common import Context, Screen
 from .compare import CompareView
-from .controls import Controls, settings_json
+from .controls import Controls, SettingsForm
 from .details import RunDetails
 from .overview import RunOverview
 from .runs import RunsList
@@ -23,4 +23,4 @@ from .workers import WorkersView
 TABS = (RunsList, RunOverview, RunDetails, CompareView, WorkersView)
 
 __all__ = ["TABS", "CompareView", "Context", "Controls", "RunDetails", "RunOverview", "RunsList", "Screen",
-           "StatusLine", "WorkersView", "settings_json"]
+           "StatusLine", "WorkersView", "SettingsForm"]
