@@ -8,7 +8,15 @@ chromium driven by Playwright, each following the newest run. Latency: every pag
 newest step time it shows changes, how old that step is (worker clock to browser clock, same machine).
 The last line printed is one JSON object with the ratio and the latencies.
 
+With `--kind websocket` the viewers are Bokeh client sessions instead (`bokeh.client.pull_session`, in
+a process of their own): each receives every update of its page over the websocket and applies it to
+its own copy of the document, but draws nothing, as a viewer on their own machine costs the server. For
+each number of sessions in `--viewers` (e.g. 0,1,10,50) it reports the training throughput against no
+sessions, the dashboard process's CPU (cores, and cores per session above none) and the updates each
+session received.
+
     python benchmarks/dashboard_cost.py [--workers 2] [--viewers 10] [--repeats 3] [--steps 300]
+    python benchmarks/dashboard_cost.py --kind websocket --viewers 0,1,10,50 [--repeats 3] [--steps 600]
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import workbench
 from workbench.data import synthetic
@@ -91,12 +100,21 @@ def _cpu_seconds() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--viewers", type=int, default=10)
+    parser.add_argument("--kind", choices=("browser", "websocket"), default="browser",
+                        help="viewers as headless browser pages, or as Bokeh websocket sessions that do not draw")
+    parser.add_argument("--viewers", default="10", help="how many viewers (websocket: a comma list, 0 first)")
+    parser.add_argument("--viewer-process", nargs=3, metavar=("URL", "COUNT", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--strategy", default="allreduce")
     parser.add_argument("--refresh-ms", type=int, default=500, help="how often dashboard sessions redraw")
     arguments = parser.parse_args()
+    if arguments.viewer_process:
+        url, count, out = arguments.viewer_process
+        return run_viewer_sessions(url, int(count), Path(out))
+    if arguments.kind == "websocket":
+        return websocket_main(arguments)
+    arguments.viewers = int(arguments.viewers)
 
     from playwright.sync_api import sync_playwright
 
@@ -164,6 +182,122 @@ def main() -> None:
               f"p95 {result['latency_p95_s']:.3f} s (target: median < 1 s)")
     out = Path(__file__).resolve().parent / "results" / f"cpu-2core-dashboard-cost-{arguments.viewers}-viewers-{arguments.refresh_ms}ms.json"
     if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+# --- viewers on their own machines: websocket sessions that receive every update and draw nothing -------
+
+
+def run_viewer_sessions(url: str, count: int, out: Path) -> None:
+    """In a process of its own: open `count` Bokeh client sessions of the dashboard and keep them until
+    SIGTERM, or until a line on stdin gives a step time (s) that every session's page shows (at most
+    60 s more); then write how many document changes each received and the newest step time each shows.
+    Prints 'ready' once all are open."""
+    import signal as signals
+    import threading
+
+    import panel  # noqa: F401  (the dashboard's document holds Panel's models: the client must know them)
+    from bokeh.client import pull_session
+    from tornado.ioloop import IOLoop, PeriodicCallback
+
+    def newest(session: Any) -> float | None:  # the newest step time the session's page shows
+        clock = session.document.get_model_by_name("clock")
+        return clock.data["newest"][0] if clock is not None and len(clock.data.get("newest", [])) else None
+
+    loop = IOLoop.current()
+    received = [0] * count
+    sessions = []
+    for index in range(count):
+        session = pull_session(url=url, io_loop=loop)
+        session.document.on_change(lambda event, index=index: received.__setitem__(index, received[index] + 1))
+        sessions.append(session)
+    signals.signal(signals.SIGTERM, lambda *_: loop.add_callback_from_signal(loop.stop))
+
+    def wait_for(line: str) -> None:  # on the loop: stop once every page shows the step time asked for
+        target, deadline = float(line), time.monotonic() + 60
+
+        def check() -> None:
+            if all((newest(s) or 0.0) >= target for s in sessions) or time.monotonic() > deadline:
+                loop.stop()
+        PeriodicCallback(check, 50).start()
+
+    def read_stdin() -> None:
+        line = sys.stdin.readline()
+        if line.strip():
+            loop.add_callback(wait_for, line)
+    threading.Thread(target=read_stdin, daemon=True).start()
+    print("ready", flush=True)
+    loop.start()
+    out.write_text(json.dumps({"received": received, "connected": [s.connected for s in sessions],
+                               "newest": [newest(s) for s in sessions]}))
+
+
+def websocket_main(arguments: argparse.Namespace) -> None:
+    import psutil
+
+    from workbench.collectives import find_free_port as free_port
+
+    counts = [int(n) for n in arguments.viewers.split(",")]
+    if counts[0] != 0:
+        counts.insert(0, 0)
+    client = workbench.connect(workers=arguments.workers, dashboard_address=":0")
+    run_dir = tempfile.mkdtemp(prefix="dashboard-cost-")
+    port = free_port()
+    dashboard = start_dashboard(client, run_dir, port, arguments.refresh_ms)
+    dashboard_process = psutil.Process(dashboard.pid)
+    cells: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    try:
+        train_once(client, 30, arguments.strategy, run_dir)  # warm up the workers and the dashboard
+        for repeat in range(arguments.repeats):
+            for count in (counts if repeat % 2 == 0 else list(reversed(counts))):
+                viewers, out = None, Path(run_dir) / f"viewers-{repeat}-{count}.json"
+                if count:
+                    viewers = subprocess.Popen([sys.executable, __file__, "--viewer-process",
+                                                f"http://127.0.0.1:{port}/", str(count), str(out)],
+                                               stdout=subprocess.PIPE, text=True)
+                    if viewers.stdout.readline().strip() != "ready":
+                        raise RuntimeError(f"the {count} viewer sessions did not open")
+                before, started = dashboard_process.cpu_times(), time.monotonic()
+                rate = train_once(client, arguments.steps, arguments.strategy, run_dir)
+                after, elapsed = dashboard_process.cpu_times(), time.monotonic() - started
+                cores = (after.user + after.system - before.user - before.system) / elapsed
+                cell = {"samples_per_s": rate, "dashboard_cores": cores, "seconds": elapsed}
+                if viewers is not None:
+                    viewers.terminate()
+                    viewers.wait(timeout=60)
+                    report = json.loads(out.read_text())
+                    cell.update(updates_min=min(report["received"]), updates_median=statistics.median(report["received"]),
+                                all_connected=all(report["connected"]))
+                cells[count].append(cell)
+                print(f"repeat {repeat + 1} {count:3d} sessions {rate:9.0f} samples/s, dashboard {cores:.3f} cores"
+                      + (f", updates per session >= {cell['updates_min']}" if count else ""), flush=True)
+    finally:
+        dashboard.terminate()
+        dashboard.wait(timeout=30)
+        workbench.shutdown(client)
+
+    median = lambda n, key: statistics.median(c[key] for c in cells[n])  # noqa: E731
+    none_rate, none_cores = median(0, "samples_per_s"), median(0, "dashboard_cores")
+    table = {n: {"samples_per_s": median(n, "samples_per_s"), "vs_none": median(n, "samples_per_s") / none_rate,
+                 "dashboard_cores": median(n, "dashboard_cores"),
+                 "dashboard_cores_per_session": (median(n, "dashboard_cores") - none_cores) / n if n else None,
+                 "updates_per_session_min": min(c["updates_min"] for c in cells[n]) if n else None}
+             for n in counts}
+    result = {
+        "benchmark": "dashboard_cost_websocket", "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "strategy": arguments.strategy, "workers": arguments.workers, "steps": arguments.steps,
+        "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms, "table": table, "cells": cells,
+        **({"vs_none_10": table[10]["vs_none"], "cores_per_session_10": table[10]["dashboard_cores_per_session"]}
+           if 10 in table else {}),
+    }
+    print(f"{'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12}")
+    for n, row in table.items():
+        per = f"{row['dashboard_cores_per_session']:.4f}" if n else "-"
+        print(f"{n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f} {per:>12}")
+    if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
+        out = Path(__file__).resolve().parent / "results" / "cpu-2core-dashboard-cost-websocket.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 

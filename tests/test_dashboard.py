@@ -132,6 +132,39 @@ def test_dashboard_follows_a_training_run_live_with_one_subscription(client, run
         run.wait(120)
 
 
+VIEWERS = Path(__file__).resolve().parent.parent / "benchmarks" / "dashboard_cost.py"
+
+
+def test_websocket_sessions_that_draw_nothing_receive_the_live_run(client, run_dir, tmp_path):
+    # Viewers on their own machines, as the dashboard's server sees them: Bokeh client sessions that get
+    # every update of their page over the websocket and apply it to their own document (the benchmark's).
+    run = workbench.train(long_job(), "allreduce", client=client, run_dir=run_dir)
+    out = tmp_path / "viewers.json"
+    viewers = None
+    try:
+        run.wait_for_step(5)
+        with served(client, run_dir) as url:
+            viewers = subprocess.Popen([sys.executable, str(VIEWERS), "--viewer-process", url, "3", str(out)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert viewers.stdout.readline().strip() == "ready"
+            run.wait_for_step(run.summary()["steps_done"] + 100)
+            # The sessions end once each one's own copy of the page shows a step this recent (60 s at most).
+            newest_step_time = max(r["time"] for r in run.table.last_steps().values())
+            viewers.stdin.write(f"{newest_step_time}\n")
+            viewers.stdin.flush()
+            assert viewers.wait(timeout=90) == 0
+        report = json.loads(out.read_text())
+        assert report["connected"] == [True, True, True]
+        assert min(report["received"]) >= 4  # updates kept coming while the run trained
+        # Each session's page shows the run's newest steps, as a browser would.
+        assert all(newest >= newest_step_time for newest in report["newest"]), (report, newest_step_time)
+    finally:
+        if viewers is not None:
+            end_processes([viewers])
+        run.stop()
+        run.wait(120)
+
+
 def login_failed_or_blocked(url):
     """What an anonymous client gets: the status of `/` without following redirects, and the final body."""
     class NoRedirect(urllib.request.HTTPRedirectHandler):
