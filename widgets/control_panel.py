@@ -15,6 +15,7 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
+from workbench.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
 from workbench.lifecycle import FINISHED_STATES
 from workbench.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, get_strategy
@@ -66,7 +67,8 @@ class ControlPanel:
                                            style={"description_width": "initial"})
         self.period_slider.observe(self._guarded("period", self._on_period), names="value")
 
-        self.strategy_dropdown = ipw.Dropdown(options=sorted(STRATEGIES), value=self.run.strategy,
+        # 'auto' too: switching to it lets `auto` choose (again, after a pin).
+        self.strategy_dropdown = ipw.Dropdown(options=sorted(STRATEGIES) + [AUTO], value=self.run.strategy,
                                               description="strategy")
         self.strategy_help = ipw.HTML()
         self.settings_box = ipw.VBox()
@@ -123,6 +125,10 @@ class ControlPanel:
 
     def _show_settings(self, strategy: str) -> None:
         """The chosen strategy's settings as form fields (its current values when it is the run's)."""
+        if strategy == AUTO:
+            self.setting_widgets, self.settings_box.children = {}, []
+            self.strategy_help.value = f"<small>{html.escape(AUTO_SUMMARY)}</small>"
+            return
         strategy_class = get_strategy(strategy)
         current = self.run.settings if strategy == self.run.strategy else {}
         self.setting_widgets = {field.name: _setting_widget(field, current.get(field.name, field.value))

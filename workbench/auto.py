@@ -137,23 +137,46 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     return None
 
 
+def recovered_spread(recent: list[dict[int, float]], straggler: tuple[int, float] | None) -> float:
+    """How even the workers are again, judged while asynchronous over the `recent` windows' compute times
+    per step (oldest first): the better of two readings, each robust to the seconds-long swings of
+    workers sharing cores (measured: 50-100% of each other's speed from one window to the next).
+
+    - Each worker's median over the windows, slowest against the others' median (as `speed_spread`).
+    - The straggler's own median against the compute time the others had when it was called a
+      straggler (`straggler`: its rank and that reference): its own speed back, whatever the others do
+      now that nobody waits for anyone and they run flat out.
+    """
+    workers = set().union(*recent) if recent else set()
+    medians = {w: statistics.median(c[w] for c in recent if w in c) for w in workers}
+    spread = Window("async", medians, {}, None).speed_spread if len(medians) >= 2 else 1.0
+    if straggler is not None and straggler[0] in medians and medians[straggler[0]] > 0:
+        spread = max(spread, straggler[1] / medians[straggler[0]])
+    return spread
+
+
 class Chooser:
     """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
     times in a row first."""
+
+    RECENT = 3  # windows whose medians judge a recovery
 
     def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 8.0) -> None:
         self.workers, self.confirm, self.min_interval_s = workers, confirm, min_interval_s
         self._candidate: tuple[str, tuple[tuple[str, Any], ...]] | None = None
         self._seen = 0
         self._last_choice_at = -math.inf
-        self.spread: float | None = None  # smoothed over windows: one noisy window decides nothing
+        self.spread: float | None = None  # what the last decision was judged by
+        self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
+        self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
 
     def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
         if window is not None:
-            spread = window.speed_spread
-            # Slowing down counts at once (a straggler must not be waited for); recovering is averaged
-            # over windows, as 3 workers on shared cores measure unevenly for seconds at a time.
-            self.spread = spread if self.spread is None or spread < self.spread else 0.5 * (self.spread + spread)
+            self._recent = (self._recent + [window.compute_s])[-self.RECENT:]
+            # Slowing down counts at once (a straggler must not be waited for); a recovery is judged
+            # over the recent windows (`recovered_spread`).
+            asynchronous = window.strategy not in SYNCHRONOUS
+            self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
         found = fitting(window, settings, self.spread) if window is not None else None
         if found is None:
             self._candidate, self._seen = None, 0
@@ -165,4 +188,10 @@ class Chooser:
         if self._seen < self.confirm or now - self._last_choice_at < self.min_interval_s:
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
+        if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
+            others = [t for w, t in window.compute_s.items() if w != window.slowest]
+            self.straggler = (window.slowest, statistics.median(others)) if others else None
+        elif strategy in SYNCHRONOUS:
+            self.straggler = None
+        self._recent = []  # a new strategy: measure afresh
         return Choice(strategy, chosen, _lr_factor(window.strategy, strategy, self.workers), reason)

@@ -1,7 +1,8 @@
 """`auto` on the client: every few seconds the last window of step records goes to the chooser
 (`auto.py`, pure); a choice is carried out with the live switch, and the learning rate it calls for, and
 recorded as an `auto-decision` event with its reason and measurements. A switch asked for by hand pins
-the strategy: `auto` is off from then on, and an `auto-pinned` event says so.
+the strategy: `auto` is off from then on, and an `auto-pinned` event says so; `switch('auto')` turns it
+on again (`auto-on`), on any run.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from .auto import Chooser, measure
 from .errors import WorkbenchError
 
 AUTO = "auto"
+SUMMARY = ("auto: the workbench picks the strategy and its settings from what the run measures (link, "
+           "stragglers) and says why at each switch; a switch by hand or Pin turns it off")
 START = "allreduce"  # exact, and the fastest where the link is fast: what `auto` starts with
 WINDOW_S = 2.0  # seconds of step records one judgement looks at
 
@@ -57,6 +60,12 @@ class AutoPilot:
             run.switch(choice.strategy, by_auto=True, **choice.settings)
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
+
+    def turn_on(self, run: Any) -> None:
+        """Choose again from now on, judging afresh (what was measured before the pin is history)."""
+        self.chooser = Chooser(len(run.worker_addresses), self.chooser.confirm, self.chooser.min_interval_s)
+        self.on, self._next = True, 0.0
+        run.feed.publish({"kind": kinds.AUTO_ON, "time": time.time(), "strategy": run.strategy})
 
     def pin(self, run: Any, why: str) -> None:
         """Turn `auto` off for good (a strategy chosen by hand), saying so once."""

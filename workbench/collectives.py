@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import os
 import socket
 import threading
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 from .averaging import flatten, unflatten_into
 from .errors import TrainingError
+
+logger = logging.getLogger(__name__)
 
 
 def find_free_port(host: str = "") -> int:
@@ -77,8 +80,12 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
     finally:
         for variable in bound:
             os.environ.pop(variable, None)
-    # What the group opened: new sockets, less any Dask opened meanwhile to its servers (`dask_ports`).
-    _group_sockets[:] = sorted(set(_tcp_sockets(exclude_ports=set(dask_ports))) - set(before))
+    # What the group opened: new sockets, less any Dask opened meanwhile to its servers (`dask_ports`),
+    # each with its two ends, so that a descriptor closed and reused by another connection since is
+    # never taken for the group's.
+    _group_sockets.clear()
+    _group_sockets.update({fd: ends for fd, ends in _tcp_sockets(exclude_ports=set(dask_ports)).items()
+                           if fd not in before})
 
 
 class GroupFormationError(TrainingError):
@@ -167,7 +174,8 @@ def check_reachable(store: Any, rank: int, world_size: int, address: str, timeou
 
 
 def destroy_process_group() -> None:
-    _group_sockets.clear()
+    with _breaking:
+        _group_sockets.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     with _group_ended:
@@ -177,9 +185,10 @@ def destroy_process_group() -> None:
 _group_ended = threading.Condition()  # notified when this process leaves its process group
 
 
-# The sockets the process group opened (gloo's connections to its peers and the store's), so that a group
-# that was ended can be broken from another thread.
-_group_sockets: list[int] = []
+# The sockets the process group opened (gloo's connections to its peers and the store's): descriptor ->
+# (local, remote) address, so that a group that was ended can be broken from another thread.
+_group_sockets: dict[int, tuple[Any, Any]] = {}
+_breaking = threading.Lock()  # a break and the group's end never interleave
 
 
 def break_process_group() -> bool:
@@ -192,26 +201,40 @@ def break_process_group() -> bool:
     through another, waited out its whole collective timeout. Shutting the group's sockets down makes
     gloo see its connections close, as when the peer dies: the wait raises and the worker leaves.
     """
-    if not _waiting:
-        return False
-    for descriptor in list(_group_sockets):
-        try:
-            with socket.socket(fileno=os.dup(descriptor)) as connection:
-                connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # closed already, or not a connected socket (gloo's listener)
-    _group_sockets.clear()
-    return True
+    with _breaking:
+        if not _waiting or not _group_sockets:
+            return False
+        for descriptor, ends in list(_group_sockets.items()):
+            try:
+                with socket.socket(fileno=os.dup(descriptor)) as connection:
+                    if _ends(connection) != ends:  # closed by gloo and the number reused by another connection
+                        logger.warning("not breaking socket %d: it is %s now, not the group's %s", descriptor,
+                                       _ends(connection), ends)
+                        continue
+                    connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already, or not a connected socket (gloo's listener)
+        _group_sockets.clear()
+        return True
 
 
-def _tcp_sockets(exclude_ports: set[int] = frozenset()) -> list[int]:
+def _ends(connection: socket.socket) -> tuple[Any, Any]:
+    try:
+        return connection.getsockname()[:2], connection.getpeername()[:2]
+    except OSError:
+        return None, None
+
+
+def _tcp_sockets(exclude_ports: set[int] = frozenset()) -> dict[int, tuple[Any, Any]]:
+    """This process's connected TCP sockets: descriptor -> (local, remote) address."""
     try:
         # Never gloo's listener: shutting it down made gloo's accept fail with EINVAL and terminate the
         # worker process (seen under load while a survivor's group was broken after a kill).
-        return [c.fd for c in psutil.Process().net_connections(kind="tcp")
-                if c.fd >= 0 and c.status != psutil.CONN_LISTEN and not (c.raddr and c.raddr.port in exclude_ports)]
+        return {c.fd: ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port) if c.raddr else None)
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.fd >= 0 and c.status != psutil.CONN_LISTEN and not (c.raddr and c.raddr.port in exclude_ports)}
     except psutil.Error:
-        return []
+        return {}
 
 
 _waiting = 0  # the training thread is waiting in a collective (only then is breaking the group safe)

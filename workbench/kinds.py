@@ -42,6 +42,7 @@ CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity a
 TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing
 AUTO_DECISION = "auto-decision"  # `auto` switched the run: from, to, settings, lr, reason, what it measured
 AUTO_PINNED = "auto-pinned"  # a strategy chosen by hand turned `auto` off
+AUTO_ON = "auto-on"  # switch('auto'): `auto` chooses again (after a pin, or on a run started otherwise)
 
 # --- announcements on the scheduler's runs topic (registry.RUNS_TOPIC) ---------------------------------
 RUN_QUEUED = "run-queued"  # waits for free workers

@@ -160,7 +160,7 @@ class MetricsTable:
             evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
                            for r in self._other if r.get("kind") == kinds.EVAL]
             warnings = [r["message"] for r in self._other if r.get("kind") == kinds.TRAINING_WARNING]
-            auto = [r for r in self._other if r.get("kind") in (kinds.AUTO_DECISION, kinds.AUTO_PINNED)]
+            auto = [r for r in self._other if r.get("kind") in (kinds.AUTO_DECISION, kinds.AUTO_PINNED, kinds.AUTO_ON)]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
         table = []
@@ -315,6 +315,8 @@ def auto_line(record: dict[str, Any]) -> str:
     """What `auto` last did, in one line: its choice and why, or that it was turned off."""
     if record["kind"] == kinds.AUTO_PINNED:
         return f"auto off ({record['why']}): {record['strategy']} stays"
+    if record["kind"] == kinds.AUTO_ON:
+        return f"auto on again: from {record['strategy']}"
     return f"auto: {record['reason']}"
 
 

@@ -438,7 +438,20 @@ class Run(RunViews):
         from the averaged weights and optimizer state; workers leaving a parameter server take its
         weights and its optimizer state. Each worker records a 'switched' event. A paused run makes the
         switch and stays paused. A run started with strategy='auto' is pinned to what is asked here.
+        `switch('auto')` turns `auto` on (again): it chooses from the strategy the run has now.
         """
+        if strategy == AUTO:
+            if settings:
+                name = next(iter(settings))
+                raise ConfigError(name, settings[name], "no settings with strategy='auto' (it picks them)")
+            self._require_running()
+            if self.auto_pilot is None:
+                self.auto_pilot = AutoPilot(len(self.worker_addresses))
+            self.auto_pilot.turn_on(self)
+            self.config["auto"] = True
+            self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), "strategy": AUTO}])
+            self.announce(kinds.RUN_STATUS, auto=True)
+            return
         strategy_class = get_strategy(strategy)
         validated = make_settings(strategy, settings)
         self._require_running()

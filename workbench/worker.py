@@ -131,6 +131,9 @@ def _leave(loop: _Loop, abandoned: bool = False) -> None:
     finally:
         if loop.control.joined_group:  # never another run's group, when joining failed because one trains here
             collectives.destroy_process_group()
+            # The poller's thread can outlive this task by a poll (up to 5 s): it must not break the group
+            # of the next run on this worker for this one.
+            loop.control.joined_group = False
         # The context's callbacks point back at the loop: without this cycle broken, the strategy (and a
         # parameter server's actors) would stay alive until the worker's next garbage collection.
         loop.context = loop.strategy = None

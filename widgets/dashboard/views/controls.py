@@ -15,6 +15,7 @@ from typing import Any
 
 import panel as pn
 
+from workbench.autopilot import AUTO
 from workbench.job import check_lr
 from workbench.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, make_settings
@@ -37,7 +38,8 @@ class Controls:
         self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90)
         self.lr_input = pn.widgets.FloatInput(label="Learning rate", value=0.01, step=0.001, start=0, width=130)
         self.lr_button = pn.widgets.Button(label="Set learning rate", width=140)
-        self.strategy_select = pn.widgets.Select(label="Strategy", options=list(STRATEGIES), width=120)
+        # 'auto' too: switching to it lets `auto` choose (again, after a pin).
+        self.strategy_select = pn.widgets.Select(label="Strategy", options=list(STRATEGIES) + [AUTO], width=120)
         self.settings_form = SettingsForm()
         self.settings_form.show(self.strategy_select.value)
         self.strategy_select.param.watch(lambda event: self.settings_form.show(event.new, self._run_settings(event.new)),
@@ -128,7 +130,12 @@ def checked(action: str, arguments: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"settings={text!r} is not allowed: expected a JSON object ({error})") from None
         if not isinstance(settings, dict):
             raise ValueError(f"settings={text!r} is not allowed: expected a JSON object")
-        make_settings(arguments["strategy"], settings)
+        if arguments["strategy"] == AUTO:
+            if settings:
+                name = next(iter(settings))
+                raise ValueError(f"{name}={settings[name]!r} is not allowed: no settings with strategy='auto' (it picks them)")
+        else:
+            make_settings(arguments["strategy"], settings)
         return {"strategy": arguments["strategy"], "settings": settings}
     return {}
 
@@ -145,8 +152,8 @@ class SettingsForm:
     def show(self, strategy: str, values: dict[str, Any] | None = None) -> None:
         values = values or {}
         self.strategy = strategy
-        self.widgets = {field.name: setting_widget(field, values.get(field.name, field.value))
-                        for field in form_fields(strategy)}
+        self.widgets = {} if strategy == AUTO else {  # auto takes no settings: it picks them
+            field.name: setting_widget(field, values.get(field.name, field.value)) for field in form_fields(strategy)}
         self.layout.objects = list(self.widgets.values())
 
     def values(self) -> dict[str, Any]:
