@@ -199,6 +199,8 @@ def run_viewer_sessions(url: str, count: int, out: Path) -> None:
 
     import panel  # noqa: F401  (the dashboard's document holds Panel's models: the client must know them)
     from bokeh.client import pull_session
+    from bokeh.document.events import MessageSentEvent
+    from bokeh.events import DocumentReady
     from tornado.ioloop import IOLoop, PeriodicCallback
 
     def newest(session: Any) -> float | None:  # the newest step time the session's page shows
@@ -211,7 +213,20 @@ def run_viewer_sessions(url: str, count: int, out: Path) -> None:
     for index in range(count):
         session = pull_session(url=url, io_loop=loop)
         session.document.on_change(lambda event, index=index: received.__setitem__(index, received[index] + 1))
+        # What a browser says once it has drawn the page: Panel starts a session's periodic callbacks
+        # (the dashboard's redraw) only then.
+        session.document.callbacks.trigger_on_change(
+            MessageSentEvent(session.document, "bokeh_event", DocumentReady()))
         sessions.append(session)
+
+    async def keep_reading(connection: Any) -> None:
+        # A Python client session reads its websocket only inside its blocking calls; this keeps every
+        # session's connection reading (and applying patches) on the one loop.
+        while connection.connected:
+            await connection._next()
+
+    for session in sessions:
+        loop.spawn_callback(keep_reading, session._connection)
     signals.signal(signals.SIGTERM, lambda *_: loop.add_callback_from_signal(loop.stop))
 
     def wait_for(line: str) -> None:  # on the loop: stop once every page shows the step time asked for

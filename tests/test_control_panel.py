@@ -126,6 +126,6 @@ def test_a_panel_of_an_unstarted_run_offers_only_start_and_refuses_a_too_fast_re
         assert panel.strategy_dropdown.value == "ssp" and panel.setting_widgets["max_staleness"].value == 1
         assert panel.period_slider.description == "push_every"
         assert "new run" in panel.title.value and "created" in panel.title.value
-        assert sorted(panel.strategy_dropdown.options) == sorted(workbench.STRATEGIES)
+        assert sorted(panel.strategy_dropdown.options) == sorted([*workbench.STRATEGIES, "auto"])
     finally:
         panel.close()

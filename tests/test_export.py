@@ -116,7 +116,7 @@ def test_a_run_exports_live_to_tensorboard_and_mlflow_and_a_resume_goes_on_in_th
     assert [e.value for e in main["eval/accuracy"]] == pytest.approx([r["accuracy"] for r in evaluations])
     assert evaluations[-1]["accuracy"] >= 0.8
     texts = _texts(logdir)
-    assert any(t.startswith("switched:") and '"average"' in t for t in texts)
+    assert any(t.startswith("switched:") and '"average"' in t for t in texts), texts
     assert any(t.startswith("run-resumed:") for t in texts)
 
     # MLflow: the run, its parameters, the same numbers, and its final status.

@@ -149,9 +149,11 @@ class MlflowSink:
         self._metric, self._tag = Metric, RunTag
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri, self.directory = tracking_uri, directory
-        if mlflow_run_id is not None:  # a resumed run goes on in its MLflow run
+        self._events = 0  # events are tags event.0001, event.0002, ...
+        if mlflow_run_id is not None:  # a resumed run goes on in its MLflow run, numbering events on
             self.run_id = mlflow_run_id
             self.client.update_run(mlflow_run_id, status="RUNNING")
+            self._events = sum(key.startswith("event.") for key in self.client.get_run(mlflow_run_id).data.tags)
         else:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "workbench")
             experiment = self.client.get_experiment_by_name(name)
@@ -165,7 +167,6 @@ class MlflowSink:
             self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         self._pending: list[Any] = []
         self._tags: list[Any] = []
-        self._events = 0
 
     def steps(self, records: list[dict[str, Any]]) -> None:
         pass  # MLflow gets the per-second points only: a row per metric and step is what its store costs
@@ -223,11 +224,13 @@ def check_export_options(tensorboard: Any, mlflow: Any) -> None:
 class Exports:
     """The run's exports: records queued from the IO loop, written by one thread of their own."""
 
-    def __init__(self, sinks: list[Any]) -> None:
+    def __init__(self, sinks: list[Any], first_step: int = 0) -> None:
         self.sinks = sinks
         self._queue: SimpleQueue = SimpleQueue()
         self._totals = SecondTotals()
-        self._step = 0
+        # The run's progress (its largest step so far): events are written at it, never at a step behind
+        # it, since TensorBoard takes a step going back for a restart and drops what came after.
+        self._step = first_step
         self._closed = threading.Event()
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="workbench-export", daemon=True)
@@ -258,7 +261,7 @@ class Exports:
             sinks.append(sink)
             record["mlflow"] = {"tracking_uri": uri, "run_id": sink.run_id}
         config["export"] = record
-        return cls(sinks) if sinks else None
+        return cls(sinks, first_step=int(config.get("resumed_from_step") or 0)) if sinks else None
 
     def put(self, records: list[dict[str, Any]]) -> None:
         """On the IO loop: queue only."""
@@ -301,9 +304,9 @@ class Exports:
                 values = evaluation_values(record)
                 for sink in self.sinks:
                     sink.evaluation(int(record.get("step", self._step)), when, values)
-            elif kind in EVENT_KINDS:
+            elif kind in EVENT_KINDS:  # at the run's progress; the record's own step is in its text
                 for sink in self.sinks:
-                    sink.event(int(record.get("step") or self._step), when, event_text(record))
+                    sink.event(self._step, when, event_text(record))
 
     def close(self, status: str) -> None:
         """Write everything left and end each export with the run's final status (after the run

@@ -302,6 +302,8 @@ class Run(RunViews):
                       **({"from_step": self._resume_from["step"]} if resumed else {})}]
         self.directory.append(beginning)
         self.table.add(beginning)  # run.events() shows what the run directory holds
+        if self.exports is not None:
+            self.exports.put(beginning)
 
         self.feed.open(client, self.run_id, self.directory)
         self.feed.on_checkpoint_ready = self.checkpoints.ready
