@@ -183,3 +183,16 @@ def test_pin_is_refused_on_a_run_not_started_with_auto_and_auto_takes_no_setting
             settings={}).pin()
     with pytest.raises(workbench.ConfigError, match=r"^period=4 .*no settings with strategy='auto'"):
         workbench.train(job, "auto", run_dir=tmp_path, period=4)
+
+
+def test_a_move_is_confirmed_by_its_strategy_though_the_fitting_period_wavers():
+    # Back from async on a link whose measured exchange cost wavers: period 32 in one window, 64 in the
+    # next. The move to 'average' is confirmed by three windows all the same, with the last one's period.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0)
+    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 1)
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 2).strategy == "async"
+    choices = [chooser.observe(window("async", exchange_s), {"push_every": 4}, t)
+               for t, exchange_s in enumerate([0.2, 0.4, 0.2], start=3)]
+    assert choices[:2] == [None, None]
+    assert (choices[2].strategy, choices[2].settings) == ("average", {"period": 32, "overlap": True})

@@ -182,7 +182,10 @@ class Chooser:
             self._candidate, self._seen = None, 0
             return None
         strategy, chosen, reason = found
-        key = (strategy, tuple(sorted(chosen.items())))
+        # A move to another strategy is confirmed by the strategy alone, with the settings of the window
+        # that confirms it: the period that fits wavers with the measured exchange from window to window
+        # (measured: 32 and 64 in turn), and keyed on it a move back from async was never confirmed.
+        key = (strategy,) if strategy != window.strategy else (strategy, tuple(sorted(chosen.items())))
         self._seen = self._seen + 1 if key == self._candidate else 1
         self._candidate = key
         if self._seen < self.confirm or now - self._last_choice_at < self.min_interval_s:
