@@ -52,8 +52,11 @@ def comparison_figure(runs: list[Any], labels: list[str] | None = None, title: s
     table = comparison_table(runs)
     figure = Figure(figsize=(13, 3.8), layout="constrained")
     loss, throughput, staleness = figure.subplots(1, 3, width_ratios=(1.4, 1, 1))
+    longest = max((float(run.metrics["time"].max() - run.metrics["time"].min()) for run in runs
+                   if not run.metrics.empty), default=0.0)
+    bin_s = max(0.05, longest / 60)  # about 60 points across the longest run, however long it was
     for run, label, colour in zip(runs, labels, colours):
-        seconds, values = loss_against_time(run)
+        seconds, values = loss_against_time(run, bin_s)
         loss.plot(seconds, values, label=label, color=colour, linewidth=1.4)
     loss.set(yscale="log", xlabel="seconds since the first step", ylabel="training loss (mean of workers)",
              title="loss against wall time")
@@ -77,12 +80,14 @@ def run_figure(run: Any, title: str | None = None) -> StaticFigure:
     loss, rate = figure.subplots(1, 2)
     if not frame.empty:
         start = frame["time"].min()
+        bin_s = max(0.1, float(frame["time"].max() - start) / 40)  # about 40 points, however long the run
         for worker, rows in frame.groupby("worker"):
             colour = COLOURS[int(worker) % len(COLOURS)]
             loss.plot(rows["step"], rows["loss"].rolling(10, min_periods=1).mean(), color=colour, linewidth=1.2,
                       label=f"worker {worker}")
-            per_second = rows.groupby(((rows["time"] - start) // 1).astype(int))["samples"].sum()
-            rate.plot(per_second.index, per_second.values, color=colour, linewidth=1.2, label=f"worker {worker}")
+            binned = rows.groupby(((rows["time"] - start) // bin_s).astype(int))["samples"].sum().iloc[:-1]
+            rate.plot(binned.index * bin_s, binned.values / bin_s, color=colour, linewidth=1.2,
+                      label=f"worker {worker}")  # the last, partial bin left out
         for marker in control_markers(run.events()):
             loss.axvline(marker["step"], color="#888888", linestyle=":", linewidth=1)
             loss.annotate(marker["label"], (marker["step"], 1), xycoords=("data", "axes fraction"),
