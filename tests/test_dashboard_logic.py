@@ -133,16 +133,21 @@ def test_hub_rebuilds_finished_and_crashed_runs_from_run_directories(tmp_path):
         hub.close()
 
 
+class RecordingHub(Hub):
+    """A hub that keeps the control requests it would send to runs, instead of sending them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent = []
+
+    def request(self, run_id, action, by, **arguments):
+        self.sent.append((run_id, action, by, arguments))
+        return "id"
+
+
 def test_session_refuses_control_on_the_server_for_viewers_and_ended_runs(tmp_path):
     _write_run(tmp_path, "done", "olivia", _steps(0, range(3)), {"status": "finished"})
     _write_run(tmp_path, "live", "olivia", _steps(0, range(3)))
-
-    class RecordingHub(Hub):
-        sent: list = []
-
-        def request(self, run_id, action, by, **arguments):
-            self.sent.append((run_id, action, by, arguments))
-            return "id"
 
     hub = RecordingHub(None, tmp_path).start()
     hub.feed("live").status = "running"
@@ -259,13 +264,6 @@ def test_the_switch_settings_are_a_form_made_from_the_strategy_not_a_json_box(tm
     from workbench.setting_flags import form_fields
 
     _write_run(tmp_path, "live", "olivia", _steps(0, range(3)))
-
-    class RecordingHub(Hub):
-        sent: list = []
-
-        def request(self, run_id, action, by, **arguments):
-            self.sent.append((run_id, action, by, arguments))
-            return "id"
 
     hub = RecordingHub(None, tmp_path).start()
     try:
