@@ -51,9 +51,11 @@ def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_p
     warnings = [r for r in records if r["kind"] == TRAINING_WARNING]
     steps = [r for r in records if r["kind"] == "step"]
     assert warnings and {w["reason"] for w in warnings} <= {"not-learning", "loss-climbing"}
-    # Said while the run trained: steps followed the warning on disk.
-    first = records.index(warnings[0])
-    assert any(r["kind"] == "step" for r in records[first:]) and warnings[0]["step"] < max(r["step"] for r in steps)
+    # Said while the run trained: raised at a step before its last, and kept before the run's end. (Not
+    # "steps followed it on disk": under load the last steps' batch can land before the supervisor
+    # publishes the warning, seen once in CI.)
+    ended = next(i for i, r in enumerate(records) if r["kind"] in ("run-finished", "run-stopped"))
+    assert warnings[0]["step"] < max(r["step"] for r in steps) and records.index(warnings[0]) < ended
 
 
 @pytest.mark.timeout(180)

@@ -24,12 +24,27 @@ TIMEOUT_S = 10.0  # the runs' collective timeout: nothing may wait on a lost wor
 
 
 @pytest.fixture(scope="module")
-def cluster3():
-    client = workbench.connect(workers=3, dashboard_address=":0")
+def _cluster3_holder():
+    holder = {"client": workbench.connect(workers=3, dashboard_address=":0")}
     try:
-        yield client
+        yield holder
     finally:
-        workbench.shutdown(client)
+        workbench.shutdown(holder["client"])
+
+
+@pytest.fixture
+def cluster3(_cluster3_holder):
+    """A 3-worker cluster with all 3 workers running. Tests here kill workers and their nannies start
+    them again; in 2 of 4 full runs on the 2-core VM one restarted worker never came back (the nanny's
+    "Restarting worker" was its last word; not diagnosed, never seen with the file run alone, loaded or
+    not), so a cluster still short after 90 s is replaced rather than failing every later test."""
+    try:
+        _cluster3_holder["client"].wait_for_workers(3, timeout=90)
+    except Exception as error:
+        print(f"cluster3: {error}; starting a new cluster")
+        workbench.shutdown(_cluster3_holder["client"])
+        _cluster3_holder["client"] = workbench.connect(workers=3, dashboard_address=":0")
+    return _cluster3_holder["client"]
 
 
 def _slow_loss(outputs, targets):
@@ -134,8 +149,6 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     on_disk = read_metrics(run.directory.path)
     assert any(r.get("kind") == "worker-lost" and r.get("address") == target for r in on_disk)
     wait_until(lambda: _no_process_groups(cluster3), timeout_s=30)
-    # The nanny restarts the killed worker: the cluster has 3 workers again for the next test.
-    cluster3.wait_for_workers(3, timeout=60)
 
 
 @pytest.mark.timeout(240)
