@@ -11,13 +11,20 @@ from typing import Any
 
 from . import kinds
 from .auto import Chooser, measure
-from .errors import WorkbenchError
+from .errors import ConfigError, WorkbenchError
 
 AUTO = "auto"
 SUMMARY = ("auto: the workbench picks the strategy and its settings from what the run measures (link, "
            "stragglers) and says why at each switch; a switch by hand or Pin turns it off")
 START = "allreduce"  # exact, and the fastest where the link is fast: what `auto` starts with
 WINDOW_S = 2.0  # seconds of step records one judgement looks at
+
+
+def check_no_settings(settings: dict[str, Any]) -> None:
+    """`auto` picks the settings itself: any given is refused, naming the first."""
+    if settings:
+        name = next(iter(settings))
+        raise ConfigError(name, settings[name], "no settings with strategy='auto' (it picks them)")
 
 
 class AutoPilot:

@@ -31,7 +31,7 @@ from . import kinds
 from .errors import ConfigError
 
 WRITE_EVERY_S = 0.5  # how often the export thread writes what arrived
-SETTLE_S = 2.0  # a second is complete once records this much newer arrived (workers send every 0.25 s)
+SETTLE_S = 2.0  # a second is complete this long after it ended (workers send their records every 0.25 s)
 EVENT_KINDS = (kinds.SWITCHED, kinds.WORKER_LOST, kinds.REGROUPED, kinds.AUTO_DECISION, kinds.AUTO_PINNED,
                kinds.AUTO_ON, kinds.TRAINING_WARNING, kinds.CONTROL, kinds.RUN_RESUMED, kinds.CHECKPOINT)
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}

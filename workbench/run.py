@@ -28,7 +28,7 @@ from . import kinds
 from . import checkpoint as checkpoints
 from . import membership
 from .checkpoint_store import CheckpointStore
-from .autopilot import AUTO, START as AUTO_START, AutoPilot
+from .autopilot import AUTO, START as AUTO_START, AutoPilot, check_no_settings
 from .checks import check_run_options
 from .control import ControlState, ControlWriter
 from .errors import ConfigError, DivergenceError, ResumeError, TrainingError
@@ -173,7 +173,8 @@ class Run(RunViews):
         self.auto_join = auto_join
         self.queue = queue
         check_export_options(tensorboard, mlflow)
-        self._export_options = (tensorboard, mlflow, exported)  # opened once the run has its directory
+        self.tensorboard, self.mlflow = tensorboard, mlflow  # exports, opened once the run has its directory
+        self._exported = exported  # where a resumed run's exports went
         self.exports: Exports | None = None
         self._resume_from = resume_from
         self.lifecycle = Lifecycle()
@@ -235,9 +236,7 @@ class Run(RunViews):
             raise TrainingError(f"run {self.run_id} was started already ({self.status}); use rerun() for another")
         prepared = self.prepared = self.job.prepare()
         if self.strategy == AUTO:  # starts with allreduce; the autopilot switches from there
-            if self._settings_values:
-                name = next(iter(self._settings_values))
-                raise ConfigError(name, self._settings_values[name], "no settings with strategy='auto' (it picks them)")
+            check_no_settings(self._settings_values)
             self.strategy, self.auto_pilot = AUTO_START, AutoPilot(0)
         strategy_class = get_strategy(self.strategy)
         settings = self._start_settings = make_settings(self.strategy, self._settings_values)
@@ -290,9 +289,8 @@ class Run(RunViews):
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]
-        tensorboard, mlflow, exported = self._export_options
-        self.exports = self.feed.exports = Exports.open(tensorboard, mlflow, self.config, self.directory.path,
-                                                        exported)
+        self.exports = self.feed.exports = Exports.open(self.tensorboard, self.mlflow, self.config,
+                                                        self.directory.path, self._exported)
         self.checkpoints.open(self.directory.path, self.feed.publish)
         self.directory.write_json(CONFIG_FILE, self.config)
         if not resumed:
@@ -443,9 +441,7 @@ class Run(RunViews):
         `switch('auto')` turns `auto` on (again): it chooses from the strategy the run has now.
         """
         if strategy == AUTO:
-            if settings:
-                name = next(iter(settings))
-                raise ConfigError(name, settings[name], "no settings with strategy='auto' (it picks them)")
+            check_no_settings(settings)
             self._require_running()
             if self.auto_pilot is None:
                 self.auto_pilot = AutoPilot(len(self.worker_addresses))
@@ -502,7 +498,7 @@ class Run(RunViews):
                      run_dir=self._run_root, collective_timeout_s=self.collective_timeout_s,
                      checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
                      min_workers=self.min_workers, auto_join=self.auto_join, queue=self.queue,
-                     tensorboard=self._export_options[0], mlflow=self._export_options[1], **settings)
+                     tensorboard=self.tensorboard, mlflow=self.mlflow, **settings)
 
     def __repr__(self) -> str:
         return (f"<Run {getattr(self, 'run_id', '?')} strategy={self.strategy} status={self.status} "

@@ -15,7 +15,7 @@ from typing import Any
 
 import panel as pn
 
-from workbench.autopilot import AUTO
+from workbench.autopilot import AUTO, check_no_settings
 from workbench.job import check_lr
 from workbench.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, make_settings
@@ -131,9 +131,7 @@ def checked(action: str, arguments: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(settings, dict):
             raise ValueError(f"settings={text!r} is not allowed: expected a JSON object")
         if arguments["strategy"] == AUTO:
-            if settings:
-                name = next(iter(settings))
-                raise ValueError(f"{name}={settings[name]!r} is not allowed: no settings with strategy='auto' (it picks them)")
+            check_no_settings(settings)  # a ConfigError is a ValueError: refused like the others
         else:
             make_settings(arguments["strategy"], settings)
         return {"strategy": arguments["strategy"], "settings": settings}
