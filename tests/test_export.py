@@ -133,6 +133,8 @@ def test_a_run_exports_live_to_tensorboard_and_mlflow_and_a_resume_goes_on_in_th
     assert losses and all(math.isfinite(m.value) for m in losses)
     artifacts = {a.path for a in reader.list_artifacts(mlflow_id)}
     assert {"config.json", "summary.json"} <= artifacts
+    # Beside the SQLite store, not in ./mlruns of whatever directory the test runs in.
+    assert (tmp_path / "mlruns").is_dir() and reader.get_run(mlflow_id).info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())
     assert "export_error" not in resumed.summary()
 
 

@@ -157,7 +157,8 @@ class MlflowSink:
         else:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "workbench")
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            experiment_id = (experiment.experiment_id if experiment
+                             else self.client.create_experiment(name, artifact_location=_artifacts_beside(tracking_uri)))
             self.run_id = self.client.create_run(experiment_id, run_name=config["run_id"], tags={
                 "workbench.run_id": config["run_id"], "workbench.owner": str(config.get("owner")),
                 "workbench.directory": str(config.get("directory"))}).info.run_id
@@ -193,6 +194,16 @@ class MlflowSink:
             if (self.directory / name).exists():
                 self.client.log_artifact(self.run_id, str(self.directory / name))
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FINISHED"))
+
+
+def _artifacts_beside(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a local SQLite store (`<its folder>/mlruns`),
+    not MLflow's default of `./mlruns` in whatever directory the process runs in; elsewhere the store's
+    own default (None)."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    return (Path(tracking_uri[len(prefix):]).resolve().parent / "mlruns").as_uri()
 
 
 def default_mlflow_uri() -> str:
