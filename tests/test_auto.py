@@ -24,8 +24,8 @@ def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
     ("average", {"period": 8}, 0.05, EVEN, None),  # the period fits already
     ("average", {"period": 8}, 0.3, EVEN, ("average", {"period": 32, "overlap": True})),  # the link got slower
     # A straggler: nobody should wait for it.
-    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("async", {"push_every": 4})),
-    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("async", {"push_every": 4})),
+    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("async", {"push_every": 4, "shards": 2})),
+    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("async", {"push_every": 4, "shards": 2})),
     ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 700.0}, None),  # still uneven: stays
     ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 950.0}, ("allreduce", {})),  # even again, fast link
     ("async", {"push_every": 4}, 0.2, {0: 1000.0, 1: 950.0}, ("average", {"period": 32, "overlap": True})),

@@ -6,6 +6,7 @@ on again (`auto-on`), on any run.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ SUMMARY = ("auto: the workbench picks the strategy and its settings from what th
            "stragglers) and says why at each switch; a switch by hand or Pin turns it off")
 START = "allreduce"  # exact, and the fastest where the link is fast: what `auto` starts with
 WINDOW_S = 2.0  # seconds of step records one judgement looks at
+log = logging.getLogger(__name__)
 
 
 def check_no_settings(settings: dict[str, Any]) -> None:
@@ -50,6 +52,10 @@ class AutoPilot:
         window = measure(records, run.strategy)
         choice = self.chooser.observe(window, run.settings, now)
         self.judged, self.last_window = self.judged + 1, window
+        if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
+            log.debug("auto %s: spread %.2f (window %.2f), exchange %s steps, compute %s, seen %d",
+                      window.strategy, self.chooser.spread or 0, window.speed_spread, window.exchange_in_steps,
+                      {w: round(t * 1000, 2) for w, t in window.compute_s.items()}, self.chooser._seen)
         if choice is None:
             return
         lr = run.lr * choice.lr_factor
