@@ -13,7 +13,9 @@ a process of their own): each receives every update of its page over the websock
 its own copy of the document, but draws nothing, as a viewer on their own machine costs the server. For
 each number of sessions in `--viewers` (e.g. 0,1,10,50) it reports the training throughput against no
 sessions, the dashboard process's CPU (cores, and cores per session above none) and the updates each
-session received.
+session received. The viewers' process runs under SCHED_IDLE by default (`--viewer-priority idle`): it
+gets only the CPU that training and the dashboard leave, as viewers on machines of their own take none of
+the training box's; its CPU is measured and reported apart (`viewer_cores`).
 
     python benchmarks/dashboard_cost.py [--workers 2] [--viewers 10] [--repeats 3] [--steps 300]
     python benchmarks/dashboard_cost.py --kind websocket --viewers 0,1,10,50 [--repeats 3] [--steps 600]
@@ -103,14 +105,21 @@ def main() -> None:
     parser.add_argument("--kind", choices=("browser", "websocket"), default="browser",
                         help="viewers as headless browser pages, or as Bokeh websocket sessions that do not draw")
     parser.add_argument("--viewers", default="10", help="how many viewers (websocket: a comma list, 0 first)")
-    parser.add_argument("--viewer-process", nargs=3, metavar=("URL", "COUNT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--viewer-process", nargs=4, metavar=("URL", "COUNT", "OUT", "PRIORITY"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--strategy", default="allreduce")
     parser.add_argument("--refresh-ms", type=int, default=500, help="how often dashboard sessions redraw")
+    parser.add_argument("--viewer-priority", choices=("idle", "normal"), default="idle",
+                        help="websocket: the viewers' process runs only on CPU nothing else wants (idle: as on "
+                             "machines of their own) or as any process (normal: they compete with training)")
     arguments = parser.parse_args()
     if arguments.viewer_process:
-        url, count, out = arguments.viewer_process
+        url, count, out, priority = arguments.viewer_process
+        if priority == "idle":
+            # SCHED_IDLE: the viewers' machine stands apart from the training box; this process gets only
+            # the CPU that training and the dashboard leave (its own use is measured and reported apart).
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return run_viewer_sessions(url, int(count), Path(out))
     if arguments.kind == "websocket":
         return websocket_main(arguments)
@@ -269,15 +278,19 @@ def websocket_main(arguments: argparse.Namespace) -> None:
                 viewers, out = None, Path(run_dir) / f"viewers-{repeat}-{count}.json"
                 if count:
                     viewers = subprocess.Popen([sys.executable, __file__, "--viewer-process",
-                                                f"http://127.0.0.1:{port}/", str(count), str(out)],
+                                                f"http://127.0.0.1:{port}/", str(count), str(out),
+                                                arguments.viewer_priority],
                                                stdout=subprocess.PIPE, text=True)
                     if viewers.stdout.readline().strip() != "ready":
                         raise RuntimeError(f"the {count} viewer sessions did not open")
-                before, started = dashboard_process.cpu_times(), time.monotonic()
+                watched = [dashboard_process] + ([psutil.Process(viewers.pid)] if viewers is not None else [])
+                before, started = [p.cpu_times() for p in watched], time.monotonic()
                 rate = train_once(client, arguments.steps, arguments.strategy, run_dir)
-                after, elapsed = dashboard_process.cpu_times(), time.monotonic() - started
-                cores = (after.user + after.system - before.user - before.system) / elapsed
-                cell = {"samples_per_s": rate, "dashboard_cores": cores, "seconds": elapsed}
+                after, elapsed = [p.cpu_times() for p in watched], time.monotonic() - started
+                used = [(a.user + a.system - b.user - b.system) / elapsed for a, b in zip(after, before)]
+                cores = used[0]
+                cell = {"samples_per_s": rate, "dashboard_cores": cores, "viewer_cores": used[1] if viewers else 0.0,
+                        "seconds": elapsed}
                 if viewers is not None:
                     viewers.terminate()
                     viewers.wait(timeout=60)
@@ -285,7 +298,8 @@ def websocket_main(arguments: argparse.Namespace) -> None:
                     cell.update(updates_min=min(report["received"]), updates_median=statistics.median(report["received"]),
                                 all_connected=all(report["connected"]))
                 cells[count].append(cell)
-                print(f"repeat {repeat + 1} {count:3d} sessions {rate:9.0f} samples/s, dashboard {cores:.3f} cores"
+                print(f"repeat {repeat + 1} {count:3d} sessions {rate:9.0f} samples/s, dashboard {cores:.3f} cores, "
+                      f"viewers {cell['viewer_cores']:.3f} cores"
                       + (f", updates per session >= {cell['updates_min']}" if count else ""), flush=True)
     finally:
         dashboard.terminate()
@@ -295,7 +309,7 @@ def websocket_main(arguments: argparse.Namespace) -> None:
     median = lambda n, key: statistics.median(c[key] for c in cells[n])  # noqa: E731
     none_rate, none_cores = median(0, "samples_per_s"), median(0, "dashboard_cores")
     table = {n: {"samples_per_s": median(n, "samples_per_s"), "vs_none": median(n, "samples_per_s") / none_rate,
-                 "dashboard_cores": median(n, "dashboard_cores"),
+                 "dashboard_cores": median(n, "dashboard_cores"), "viewer_cores": median(n, "viewer_cores"),
                  "dashboard_cores_per_session": (median(n, "dashboard_cores") - none_cores) / n if n else None,
                  "updates_per_session_min": min(c["updates_min"] for c in cells[n]) if n else None}
              for n in counts}
@@ -303,14 +317,16 @@ def websocket_main(arguments: argparse.Namespace) -> None:
         "benchmark": "dashboard_cost_websocket", "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "strategy": arguments.strategy, "workers": arguments.workers, "steps": arguments.steps,
-        "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms, "table": table, "cells": cells,
+        "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms, "viewer_priority": arguments.viewer_priority,
+        "table": table, "cells": cells,
         **({"vs_none_10": table[10]["vs_none"], "cores_per_session_10": table[10]["dashboard_cores_per_session"]}
            if 10 in table else {}),
     }
-    print(f"{'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12}")
+    print(f"{'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12} {'viewer cores':>13}")
     for n, row in table.items():
         per = f"{row['dashboard_cores_per_session']:.4f}" if n else "-"
-        print(f"{n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f} {per:>12}")
+        print(f"{n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f} {per:>12}"
+              f" {row['viewer_cores']:>13.3f}")
     if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
         out = Path(__file__).resolve().parent / "results" / "cpu-2core-dashboard-cost-websocket.json"
         out.write_text(json.dumps(result, indent=2) + "\n")

@@ -144,7 +144,7 @@ def test_websocket_sessions_that_draw_nothing_receive_the_live_run(client, run_d
     try:
         run.wait_for_step(5)
         with served(client, run_dir) as url:
-            viewers = subprocess.Popen([sys.executable, str(VIEWERS), "--viewer-process", url, "3", str(out)],
+            viewers = subprocess.Popen([sys.executable, str(VIEWERS), "--viewer-process", url, "3", str(out), "normal"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert viewers.stdout.readline().strip() == "ready"
             run.wait_for_step(run.summary()["steps_done"] + 100)
