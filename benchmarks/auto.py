@@ -1,7 +1,7 @@
 """`auto` against fixed strategies on the emulated hosts: time to a held-out accuracy target per condition.
 
 Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
-client, hosts 1 and 2 one `dask worker` each. The job: `digits`, MLP 64-H-H-10 (`--hidden`, 256), batch
+client, hosts 1 and 2 one `dask worker` each. The job: `digits`, MLP 64-H-H-10 (`--hidden`, 1024), batch
 32 per worker, held-out evaluation every 20 steps on worker 0, each strategy's suggested SGD with the lr
 times `--lr-scale` (`auto` starts with allreduce's and changes the lr as it switches). Conditions: the
 links unlimited, 100 Mbit/s, a straggler (host 2 at 30% of a core), and a link that changes while the run
@@ -13,7 +13,7 @@ fixed configuration stops once it has run `--cap` times the best fixed time seen
 `benchmarks/results/auto-<label>.json`, with `worst_time_vs_best_fixed` (auto's largest ratio to the best
 fixed strategy over the conditions) and `changing_link_time_vs_best_fixed`.
 
-    python benchmarks/auto.py [--repeats 1] [--target 0.95] [--lr-scale 0.05] [--label cpu-2core]
+    python benchmarks/auto.py [--repeats 1] [--target 0.95] [--lr-scale 0.005] [--label cpu-2core]
 
 Why the lr is scaled: at the suggested lr every configuration reaches 0.9-0.97 on `digits` in 1-10 s
 (tried 2026-11-24), before `auto` has judged its first three windows (6 s). A smaller lr makes a job of
@@ -100,12 +100,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--lr-scale", type=float, default=0.05)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--lr-scale", type=float, default=0.005)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--max-s", type=float, default=300.0)
     parser.add_argument("--cap", type=float, default=1.6)
     parser.add_argument("--change-after-s", type=float, default=20.0)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
+    parser.add_argument("--configs", default=",".join(name for name, _, _ in CONFIGS),
+                        help="which configurations to run (a subset: e.g. auto alone after a change to it)")
     parser.add_argument("--label", default="cpu-2core")
     arguments = parser.parse_args()
     from workbench import lab as labs
@@ -115,6 +117,10 @@ def main() -> None:
         sys.exit(f"no emulated hosts here: {reason}")
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
     conditions = [c for c in arguments.conditions.split(",") if c]
+    wanted = [c for c in arguments.configs.split(",") if c]
+    names = [name for name, _, _ in CONFIGS]
+    if any(name not in names for name in wanted):
+        parser.error(f"--configs: {next(n for n in wanted if n not in names)!r} is not one of {names}")
     unknown = sorted(set(conditions) - set(CONDITIONS))
     if unknown:
         parser.error(f"--conditions: {unknown[0]!r} is not one of {CONDITIONS}")
@@ -125,7 +131,7 @@ def main() -> None:
         for repeat in range(arguments.repeats):
             for condition in (conditions if repeat % 2 == 0 else conditions[::-1]):
                 best = math.inf  # the best fixed time so far in this condition and repeat
-                for name in [*LIKELY_BEST[condition], "auto"]:
+                for name in [n for n in [*LIKELY_BEST[condition], "auto"] if n in wanted]:
                     strategy, settings = configs[name]
                     limit = arguments.max_s if name == "auto" else min(arguments.max_s, arguments.cap * best)
                     client.wait_for_workers(2, timeout=60)
@@ -139,8 +145,9 @@ def main() -> None:
         client.close()
 
     def median_s(condition: str, name: str) -> float | None:
-        times = [c["seconds"] for c in cells[(condition, name)] if c["seconds"] is not None]
-        return statistics.median(times) if len(times) == len(cells[(condition, name)]) else None
+        runs = cells.get((condition, name), [])
+        times = [c["seconds"] for c in runs if c["seconds"] is not None]
+        return statistics.median(times) if runs and len(times) == len(runs) else None
 
     table, ratios = {}, {}
     for condition in conditions:
@@ -152,11 +159,11 @@ def main() -> None:
         # A capped configuration took longer than its limit: auto beats it if it got there within that.
         beats_all = auto_s is not None and all(
             (s is not None and auto_s < s) or (s is None and auto_s < min(c["limit_s"] for c in cells[(condition, n)]))
-            for n, s in fixed.items())
+            for n, s in fixed.items() if (condition, n) in cells)
         table[condition] = {"seconds": {**fixed, "auto": auto_s}, "best_fixed": best, "auto_vs_best_fixed": ratio,
                             "auto_beats_every_fixed": beats_all,
-                            "limits_s": {n: [c["limit_s"] for c in cells[(condition, n)]] for n in fixed},
-                            "auto_decisions": [c["decisions"] for c in cells[(condition, "auto")]]}
+                            "limits_s": {n: [c["limit_s"] for c in cells.get((condition, n), [])] for n in fixed},
+                            "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])]}
         ratios[condition] = ratio
     print(f"\n{'condition':10s} " + " ".join(f"{name:>12s}" for name, _, _ in CONFIGS) + "   auto/best")
     for condition, row in table.items():

@@ -23,6 +23,11 @@ def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
     ("average", {"period": 8}, 0.03, EVEN, None),
     ("average", {"period": 8}, 0.05, EVEN, None),  # the period fits already
     ("average", {"period": 8}, 0.3, EVEN, ("average", {"period": 32, "overlap": True})),  # the link got slower
+    # So slow that 64 steps cannot hide a float32 exchange (8 steps of compute): half the bytes, bf16.
+    ("average", {"period": 64, "overlap": True}, 0.8, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    ("allreduce", {}, 1.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    # bf16 halved what it measures (4 steps): it stays on, no flapping back to float32.
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 0.4, EVEN, None),
     # A straggler: nobody should wait for it.
     ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("async", {"push_every": 4, "shards": 2})),
     ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("async", {"push_every": 4, "shards": 2})),

@@ -94,6 +94,17 @@ def _period(exchange_in_steps: float) -> int:
     return int(min(MAX_PERIOD, 2 ** math.ceil(math.log2(wanted))))
 
 
+def _averaging(exchange_in_steps: float, settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`average`'s settings for an exchange of that cost, and their words: overlapped, the period that
+    hides it, and bf16 on the wire (half the bytes) once even MAX_PERIOD steps cannot hide a float32
+    exchange. bf16 stays on while averaging goes on: the exchange it measures is then half of what turned
+    it on, and turning it off on that reading would flap."""
+    period = _period(exchange_in_steps)
+    bf16 = settings.get("wire_dtype") == "bf16" or exchange_in_steps / HIDDEN_SHARE > MAX_PERIOD
+    chosen = {"period": period, "overlap": True, **({"wire_dtype": "bf16"} if bf16 else {})}
+    return chosen, f"average, period {period}, overlapped" + (", bf16 on the wire" if bf16 else "")
+
+
 def _lr_factor(current: str, chosen: str, workers: int) -> float:
     """From a synchronous strategy to a parameter server every push is applied in full: about `workers`
     times the step at the same lr (measured, README); the lr follows, and back."""
@@ -124,21 +135,21 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return None
     if asynchronous:  # even again: the link decides between the synchronous strategies
         if steps >= AVERAGE_ABOVE:
-            period = _period(steps)
-            return ("average", {"period": period, "overlap": True},
-                    f"workers even again ({spread:.0%}), an exchange costs {steps:.1f} steps: average, period {period}, overlapped")
+            chosen, words = _averaging(steps, {})
+            return ("average", chosen, f"workers even again ({spread:.0%}), an exchange costs {steps:.1f} steps: {words}")
         return ("allreduce", {}, f"workers even again ({spread:.0%}), an exchange costs {steps:.2f} steps: allreduce (exact)")
     if current == "allreduce" and steps >= AVERAGE_ABOVE:
-        period = _period(steps)
-        return ("average", {"period": period, "overlap": True},
-                f"an exchange costs {steps:.1f} steps of compute: average, period {period}, overlapped")
+        chosen, words = _averaging(steps, {})
+        return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {words}")
     if current == "average" and steps <= ALLREDUCE_BELOW:
         return ("allreduce", {}, f"an exchange costs {steps:.2f} steps of compute: allreduce (exact)")
     if current == "average" and steps >= AVERAGE_ABOVE:
-        period = _period(steps)
-        if period != settings.get("period"):
-            return ("average", {"period": period, "overlap": True},
-                    f"an exchange costs {steps:.1f} steps of compute: period {settings.get('period')} -> {period}")
+        chosen, _ = _averaging(steps, settings)
+        if chosen["period"] != settings.get("period") or chosen.get("wire_dtype") != settings.get("wire_dtype"):
+            change = f"period {settings.get('period')} -> {chosen['period']}"
+            if chosen.get("wire_dtype") != settings.get("wire_dtype"):
+                change += ", bf16 on the wire"
+            return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {change}")
     return None
 
 
