@@ -28,6 +28,7 @@ def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
     ("allreduce", {}, 1.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
     # bf16 halved what it measures (4 steps): it stays on, no flapping back to float32.
     ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 0.4, EVEN, None),
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "float32"}, 0.4, EVEN, None),  # as a run names it
     # A straggler: nobody should wait for it.
     ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("async", {"push_every": 4, "shards": 2})),
     ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("async", {"push_every": 4, "shards": 2})),

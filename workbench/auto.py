@@ -145,10 +145,10 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return ("allreduce", {}, f"an exchange costs {steps:.2f} steps of compute: allreduce (exact)")
     if current == "average" and steps >= AVERAGE_ABOVE:
         chosen, _ = _averaging(steps, settings)
-        if chosen["period"] != settings.get("period") or chosen.get("wire_dtype") != settings.get("wire_dtype"):
-            change = f"period {settings.get('period')} -> {chosen['period']}"
-            if chosen.get("wire_dtype") != settings.get("wire_dtype"):
-                change += ", bf16 on the wire"
+        # A run's settings name every field ("float32" too); a choice names bf16 only.
+        wire_changes = chosen.get("wire_dtype", "float32") != settings.get("wire_dtype", "float32")
+        if chosen["period"] != settings.get("period") or wire_changes:
+            change = f"period {settings.get('period')} -> {chosen['period']}" + (", bf16 on the wire" if wire_changes else "")
             return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {change}")
     return None
 
