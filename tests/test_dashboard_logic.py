@@ -304,3 +304,25 @@ def test_the_switch_settings_are_a_form_made_from_the_strategy_not_a_json_box(tm
         assert len(hub.sent) == sent and "push_every=0 is not allowed" in controls.message.object
     finally:
         hub.close()
+
+
+def test_sessions_draw_only_their_open_tab_and_share_the_worker_table_they_draw_alike(tmp_path):
+    # What a session pays per redraw, times the viewers: the closed tabs are not drawn (they are not in
+    # the browser), and the worker table's HTML is made once per run view for every session.
+    _write_run(tmp_path, "live", "olivia", _steps(0, range(6)) + _steps(1, range(6)))
+    hub = Hub(None, tmp_path).start()
+    try:
+        sessions = [DashboardSession(hub, Access(sign_in=False)) for _ in range(2)]
+        for session in sessions:
+            session.run_select.value = "live"
+            session.refresh()
+        tables = [session.tab_views["Run"].worker_table.object for session in sessions]
+        assert tables[0].count("<tr") == 3 and tables[0] is tables[1]  # header and two workers, one string
+        details = sessions[0].tab_views["Run details"]
+        loss_time = sessions[0].screen.sources["loss-time"]
+        assert len(loss_time.data["time"]) == 0  # closed: never drawn
+        sessions[0].tabs.active = list(sessions[0].tab_views).index("Run details")
+        assert len(loss_time.data["time"]) == len(hub.feed("live").view()["loss_time"]["time"]) > 0
+        assert details.screen is sessions[0].screen
+    finally:
+        hub.close()

@@ -82,6 +82,31 @@ def _packed(column: list[Any]) -> Any:
     return column
 
 
+def send_markers(screen: Screen, view: dict[str, Any]) -> None:
+    """The control and warning markers of both run tabs (one source; whichever tab is drawn sends it)."""
+    markers = view["markers"]
+    screen.send("markers", {
+        "step": [m["step"] for m in markers], "label": [m["label"] for m in markers],
+        "elapsed": [m["elapsed"] if m["elapsed"] is not None else float("nan") for m in markers]})
+
+
+class SharedRender:
+    """What every session would make alike from one run view (an HTML table, say), made once per view:
+    sessions draw the same shared view object, so the first one to draw it pays. Keeps the last few."""
+
+    def __init__(self, make: Callable[[dict[str, Any]], Any], keep: int = 8) -> None:
+        self.make, self.keep = make, keep
+        self._made: list[tuple[dict[str, Any], Any]] = []  # (view, what was made), newest last
+
+    def __call__(self, view: dict[str, Any]) -> Any:
+        for made_from, made in self._made:
+            if made_from is view:
+                return made
+        made = self.make(view)
+        self._made = (self._made + [(view, made)])[-self.keep:]
+        return made
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What a view draws from and acts through: the shared hub, this session's screen, and the viewer."""

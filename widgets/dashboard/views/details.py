@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 import panel as pn
 
-from .common import MARKER_COLOUR, MARKER_COLUMNS, Context, figure, when
+from .common import MARKER_COLOUR, MARKER_COLUMNS, Context, figure, send_markers, when
 
 SPLIT_PARTS = ("compute", "comm", "wait")
 
@@ -25,7 +25,7 @@ class RunDetails:
         evaluations = screen.source("evaluations", {"step": [], "elapsed": [], "value": []})
         divergence = screen.source("divergence", {"step": [], "divergence": []})
         split = screen.source("time-split", {"worker": [], "compute": [], "comm": [], "wait": []})
-        markers = screen.source("markers", MARKER_COLUMNS)  # sent by the overview
+        markers = screen.source("markers", MARKER_COLUMNS)  # sent by whichever run tab is drawn
         loss_time = figure("Training loss by wall time", "seconds since start", "loss")
         loss_time.line("time", "loss", source=loss, line_width=2)
         loss_time.vspan(x="elapsed", source=markers, line_color=MARKER_COLOUR, line_dash="dashed")
@@ -55,6 +55,7 @@ class RunDetails:
     def draw(self, view: dict[str, Any], force: bool) -> None:
         send = self.screen.send
         send("loss-time", dict(view["loss_time"]))
+        send_markers(self.screen, view)
         evaluations = [e for e in view["evaluations"] if e.get("step") is not None]
         metric = "accuracy" if any(e.get("accuracy") is not None for e in evaluations) else "loss"
         origin = view["origin"] or 0

@@ -8,7 +8,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import HoverTool
 
-from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, figure
+from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, SharedRender, figure, send_markers
 
 
 class RunOverview:
@@ -41,8 +41,9 @@ class RunOverview:
         histogram.vbar(x="staleness", top="pushes", width=0.8, source=pushes, color="purple")
         self.staleness_now = pn.indicators.Number(name="Staleness now", value=0, format="{value:.2f}",
                                                   font_size="28pt", title_size="11pt", width=160)
-        self.worker_table = pn.pane.DataFrame(pd.DataFrame(), index=False, sizing_mode="stretch_width",
-                                              css_classes=["worker-table"])
+        # HTML made once per run view for every session (`WORKER_TABLE`), not a DataFrame pane that each
+        # session renders again: that was a third of a session's redraw (measured with py-spy, 10 sessions).
+        self.worker_table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["worker-table"])
         plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
         self.layout = pn.Column(
             pn.Row(plots[0], plots[1], sizing_mode="stretch_width"),
@@ -60,10 +61,7 @@ class RunOverview:
             "xs": [throughput["time"]] * len(workers), "ys": [throughput["per_worker"][w] for w in workers],
             "worker": [f"worker {w}" for w in workers], "colour": [COLOURS[w % len(COLOURS)] for w in workers]})
         send("loss", dict(view["loss"]))
-        markers = view["markers"]
-        send("markers", {
-            "step": [m["step"] for m in markers], "label": [m["label"] for m in markers],
-            "elapsed": [m["elapsed"] if m["elapsed"] is not None else float("nan") for m in markers]})
+        send_markers(self.screen, view)
         staleness = view["staleness"]
         send("staleness", dict(staleness["over_time"]))
         send("staleness-histogram", {"staleness": list(staleness["histogram"]),
@@ -76,8 +74,15 @@ class RunOverview:
         states = [row["state"] for row in view["workers"]]
         if self.screen.due("worker_table", 1.0, force or states != self._states):
             self._states = states
-            self.screen.show("worker_table", self.worker_table,
-                             worker_frame(view["workers"], view["staleness"]["per_worker"]))
+            self.screen.show("worker_table", self.worker_table, WORKER_TABLE(view))
+
+
+def _worker_table_html(view: dict[str, Any]) -> str:
+    frame = worker_frame(view["workers"], view["staleness"]["per_worker"])
+    return frame.to_html(index=False, border=0, classes="panel-df", na_rep="") if not frame.empty else ""
+
+
+WORKER_TABLE = SharedRender(_worker_table_html)
 
 
 def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:
