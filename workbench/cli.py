@@ -47,10 +47,10 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--epochs", type=_positive_int, default=None, help="passes over each worker's shard (default 5)")
     run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker, instead of --epochs")
     run.add_argument("--lr", type=_positive_float, default=None,
-                     help="learning rate (default: the strategy's: 0.25 for async/ssp, 0.1 for the others with sgd, "
+                     help="learning rate (default: the strategy's: 0.3 for async/ssp, 0.1 for the others with sgd, "
                           "0.001 with adam/adamw)")
     run.add_argument("--momentum", type=float, default=None,
-                     help="SGD momentum (default: the strategy's: 0.4 for async/ssp, 0.9 for the others)")
+                     help="SGD momentum (default: the strategy's: 0 for async/ssp, 0.9 for the others)")
     run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
     add_setting_flags(run)  # --period, --push-every, ...: one per setting of every strategy

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from . import kinds
+from .strategies import suggested_sgd
 
 
 CLIMB_FACTOR = 2.0  # a recent loss this many times the starting loss ...
@@ -71,6 +72,8 @@ class LossWatch:
     def hint(self) -> str:
         """What usually helps, for this strategy."""
         if self.strategy in ("async", "ssp") and self.momentum > 0.7:
-            return (f"Under {self.strategy}, stale updates act like extra momentum: try momentum 0.4-0.6 "
-                    "and a lower learning rate (run.set_lr), or this strategy's defaults (lr 0.25, momentum 0.4)")
+            defaults = suggested_sgd(self.strategy)
+            return (f"Under {self.strategy}, stale updates act like extra momentum: try momentum 0-0.4 and a "
+                    f"lower learning rate (run.set_lr), or this strategy's defaults (lr {defaults['lr']:g}, "
+                    f"momentum {defaults['momentum']:g})")
         return "Try a lower learning rate (run.set_lr), or check the data and the loss"
