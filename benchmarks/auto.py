@@ -39,12 +39,13 @@ import cloudpickle
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
            ("average p64", "average", {"period": 64, "overlap": True}),
-           ("async p4", "async", {"push_every": 4, "shards": 2}), ("auto", "auto", {})]
+           ("async p4", "async", {"push_every": 4, "shards": 2}), ("easgd p16", "easgd", {"period": 16}),
+           ("auto", "auto", {})]
 # The order each condition runs its fixed configurations in, likeliest best first, so the cap cuts most.
-LIKELY_BEST = {"unlimited": ["average p16", "allreduce", "average p64", "async p4"],
-               "100mbit": ["average p64", "average p16", "async p4", "allreduce"],
-               "straggler": ["async p4", "average p64", "average p16", "allreduce"],
-               "changing": ["average p64", "average p16", "async p4", "allreduce"]}
+LIKELY_BEST = {"unlimited": ["average p16", "allreduce", "average p64", "easgd p16", "async p4"],
+               "100mbit": ["average p64", "average p16", "easgd p16", "async p4", "allreduce"],
+               "straggler": ["easgd p16", "average p16", "average p64", "async p4", "allreduce"],
+               "changing": ["average p64", "average p16", "easgd p16", "async p4", "allreduce"]}
 CONDITIONS = ["unlimited", "100mbit", "straggler", "changing"]
 STRAGGLER_HOST, STRAGGLER_SHARE = 2, 0.3
 
@@ -89,7 +90,16 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
     frame = run.metrics
     first = frame.loc[frame["time"].idxmin()]
     origin = first["time"] - (first["compute_s"] + first["comm_s"] + first["wait_s"])
+    # Throughput under each strategy the run trained with (all workers), and its mean staleness: what
+    # tells a slow strategy from one that learns less per sample.
+    throughput = {}
+    for name, part in frame.groupby("strategy"):
+        span = part["time"].max() - part["time"].min()
+        throughput[name] = {"samples_per_s": round(float(part["samples"].sum() / span), 1) if span > 0 else None,
+                            "staleness": round(float(part["staleness"].mean()), 2)
+                            if "staleness" in part and part["staleness"].notna().any() else None}
     return {"seconds": float(hit["time"] - origin) if hit is not None else None, "limit_s": limit_s,
+            "throughput": throughput,
             "steps": int(hit["step"]) if hit is not None else None,
             "decisions": [{"after_s": round(e["time"] - origin, 1), "to": e["to"], "settings": e["settings"],
                            "lr": e["lr"], "reason": e["reason"]} for e in run.events(kinds.AUTO_DECISION)],
@@ -141,7 +151,7 @@ def main() -> None:
                         best = min(best, result["seconds"])
                     shown = f"{result['seconds']:.1f}" if result["seconds"] is not None else f"over {limit:.0f}"
                     print(f"repeat {repeat + 1}: {condition:9s} {name:12s} {shown:>9} s "
-                          f"{[d['reason'] for d in result['decisions']]}", flush=True)
+                          f"{[d['reason'] for d in result['decisions']]} {result['throughput']}", flush=True)
         client.close()
 
     def median_s(condition: str, name: str) -> float | None:
@@ -163,7 +173,9 @@ def main() -> None:
         table[condition] = {"seconds": {**fixed, "auto": auto_s}, "best_fixed": best, "auto_vs_best_fixed": ratio,
                             "auto_beats_every_fixed": beats_all,
                             "limits_s": {n: [c["limit_s"] for c in cells.get((condition, n), [])] for n in fixed},
-                            "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])]}
+                            "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])],
+                            "throughput": {n: [c["throughput"] for c in cells.get((condition, n), [])]
+                                           for n, _, _ in CONFIGS if (condition, n) in cells}}
         ratios[condition] = ratio
     print(f"\n{'condition':10s} " + " ".join(f"{name:>12s}" for name, _, _ in CONFIGS) + "   auto/best")
     for condition, row in table.items():

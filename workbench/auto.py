@@ -17,6 +17,14 @@ import statistics
 from typing import Any
 
 SYNCHRONOUS = ("allreduce", "average")
+PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr (README)
+# What a straggler gets: elastic averaging, where each worker exchanges with the center on its own every
+# `period` steps, so nobody waits. Measured on the lab with one host at 30% of a core (benchmarks/auto.py,
+# MLP 64-1024-1024-10): easgd period 16 reached the target in 105 s at 7,300 samples/s, average p16 (in
+# lockstep with the straggler) in 157 s at 3,300, and async push_every 4 in 204-227 s at 3,100: its
+# server serves a push of the whole model every 4 steps from each worker, on the same shared cores.
+STRAGGLER_STRATEGY = "easgd"
+STRAGGLER_MIN_PERIOD = 16
 
 # Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's speed
 # against the fastest's. Entering and leaving a choice use different ones, so a condition at the edge
@@ -106,11 +114,13 @@ def _averaging(exchange_in_steps: float, settings: dict[str, Any]) -> tuple[dict
 
 
 def _lr_factor(current: str, chosen: str, workers: int) -> float:
-    """From a synchronous strategy to a parameter server every push is applied in full: about `workers`
-    times the step at the same lr (measured, README); the lr follows, and back."""
-    if current in SYNCHRONOUS and chosen not in SYNCHRONOUS:
+    """Under `async` and `ssp` every push is applied in full: about `workers` times the step of a
+    synchronous strategy at the same lr (measured, README); the lr follows a move to them, and back (`auto`
+    comes from them when a user pinned one and turned `auto` on again). Elastic averaging's workers take
+    their own steps at the job's lr: nothing to change."""
+    if chosen in PUSHES_IN_FULL and current not in PUSHES_IN_FULL:
         return 1.0 / workers
-    if current not in SYNCHRONOUS and chosen in SYNCHRONOUS:
+    if current in PUSHES_IN_FULL and chosen not in PUSHES_IN_FULL:
         return float(workers)
     return 1.0
 
@@ -122,13 +132,11 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
     if spread < STRAGGLER_BELOW and not asynchronous:
-        # One server shard per worker: the serving spreads evenly over the hosts. A single shard makes its
-        # host the slowest (measured: 3.2 ms a step against the others' 1.6 at half a core each), and the
-        # straggler then never seems gone.
-        shards = len(window.compute_s)
-        return ("async", {"push_every": 4, "shards": shards},
-                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: async, push_every 4, "
-                f"{shards} server shards (nobody waits)")
+        # The period that hides the exchange, at least 16: each exchange is also served by the center.
+        period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
+        return (STRAGGLER_STRATEGY, {"period": period},
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: easgd, period {period} "
+                f"(nobody waits: each worker exchanges with the center on its own)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE:
         return None  # still uneven: stay asynchronous
     if steps is None:
