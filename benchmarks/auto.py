@@ -7,7 +7,9 @@ times `--lr-scale` (`auto` starts with allreduce's and changes the lr as it swit
 links unlimited, 100 Mbit/s, a straggler (host 2 at 30% of a core), and a link that changes while the run
 trains (unlimited, then 20 Mbit/s from `--change-after-s` seconds on). For each, the time from the first
 step to `--target` held-out accuracy of `allreduce`, `average` (period 16 and 64, overlapped), `async`
-(push_every 4, one server shard per worker) and `auto`; the best fixed one is chosen after the fact. A
+(push_every 4, one server shard per worker), `easgd` (period 16) and `auto`; the best fixed one is chosen
+after the fact. Each run also reports its throughput and mean staleness under each strategy it trained
+with, which tells a strategy that is slow from one that learns less per sample. A
 fixed configuration stops once it has run `--cap` times the best fixed time seen so far in its condition
 (it cannot be the best; reported as "over N s"). The last line printed is one JSON object, also written to
 `benchmarks/results/auto-<label>.json`, with `worst_time_vs_best_fixed` (auto's largest ratio to the best
