@@ -166,7 +166,8 @@ def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup
     assert switched and switched[-1]["to"] == "average" and switched[-1]["worker"] == 0
     assert run.table.steps()["strategy"].iloc[-1] == "average"
     assert not run.events("worker-failed")
-    cluster3.wait_for_workers(3, timeout=60)
+    # The killed worker's restart is the `cluster3` fixture's to wait for (or to replace the cluster): a
+    # wait here failed this test in CI when the restart took over 60 s (the nanny issue the fixture notes).
 
 
 @pytest.mark.timeout(240)
