@@ -96,7 +96,6 @@ def emulate(address: str, topic_name: str, ranks: list[int], records_per_batch: 
 def hub_process(address: str, run_id: str, ready: Any, stop: Any, results: Any) -> None:
     from distributed import Client
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from widgets.dashboard.hub import Hub
 
     hub = Hub(Client(address), owns_client=True).start()

@@ -67,8 +67,8 @@ def test_a_straggler_gets_elastic_averaging_and_the_lr_follows_only_moves_to_and
     average = chooser.observe(window("allreduce", 0.1), {}, now=2)
     assert average.strategy == "average" and average.lr_factor == 1
     # From async (pinned by a user, then auto again) every push was applied in full: the lr x workers.
-    from_async = Chooser(workers=4, confirm=1, min_interval_s=0).observe(even_async := window("async", 0.01), {}, 0)
-    assert even_async.strategy == "async" and from_async.strategy == "allreduce" and from_async.lr_factor == 4
+    from_async = Chooser(workers=4, confirm=1, min_interval_s=0).observe(window("async", 0.01), {}, 0)
+    assert from_async.strategy == "allreduce" and from_async.lr_factor == 4
 
 
 def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_unevenly():

@@ -135,7 +135,7 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         # The period that hides the exchange, at least 16: each exchange is also served by the center.
         period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
         return (STRAGGLER_STRATEGY, {"period": period},
-                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: easgd, period {period} "
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {STRAGGLER_STRATEGY}, period {period} "
                 f"(nobody waits: each worker exchanges with the center on its own)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE:
         return None  # still uneven: stay asynchronous
