@@ -25,6 +25,12 @@ PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr 
 # server serves a push of the whole model every 4 steps from each worker, on the same shared cores.
 STRAGGLER_STRATEGY = "easgd"
 STRAGGLER_MIN_PERIOD = 16
+# What a link too slow for any averaging gets: the same elastic averaging, period 16. Where even bf16 at
+# MAX_PERIOD cannot hide an exchange, a synchronous strategy waits on the link at every exchange; under
+# easgd only the workers behind the slow link wait, each on its own, and the center keeps moving with the
+# others. Measured on the lab (benchmarks/auto.py, link 20 Mbit/s, a bf16 exchange 490 steps of compute):
+# easgd period 16 reached the target in 108 s, average period 64 in bf16 in 224 s.
+LINK_BOUND_STRATEGY, LINK_BOUND_PERIOD = "easgd", 16
 
 # Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's speed
 # against the fastest's. Entering and leaving a choice use different ones, so a condition at the edge
@@ -35,6 +41,9 @@ STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's speed:
 STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
 HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
 MAX_PERIOD = 64
+# Link-bound: an exchange in bf16 longer than MAX_PERIOD steps of compute, which the overlapped period
+# cannot hide; it ends when a float32 exchange is back under MAX_PERIOD steps (half that in bf16): a band
+# of 2x between entering and leaving, so a link at the edge does not flap.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +98,13 @@ def measure(records: list[dict[str, Any]], strategy: str) -> Window | None:
     for worker, steps in by_worker.items():
         span = max(r["time"] for r in steps) - min(r["time"] for r in steps)
         rates[worker] = sum(r["samples"] for r in steps[1:]) / span if span > 0 else 0.0
-    if strategy == "allreduce":
-        costs = [r["comm_s"] for r in records]
-    else:  # the exchanges seen: averaging syncs, pushes answered
-        costs = [r["comm_total_s"] for r in records if r.get("comm_total_s") is not None]
-    return Window(strategy, compute, rates, statistics.median(costs) if costs else None)
+    # The exchanges seen (every all-reduce; averaging syncs, pushes answered), per worker. The slowest
+    # worker's decides: under easgd, workers behind a slow link exchange rarely, and a median over all
+    # exchanges would be the fast ones'. A worker with none in the window: its exchange is not known yet.
+    field = "comm_s" if strategy == "allreduce" else "comm_total_s"
+    costs = {w: [r[field] for r in steps if r.get(field) is not None] for w, steps in by_worker.items()}
+    exchange = max(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
+    return Window(strategy, compute, rates, exchange)
 
 
 def _period(exchange_in_steps: float) -> int:
@@ -141,6 +152,13 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return None  # still uneven: stay asynchronous
     if steps is None:
         return None
+    bf16_steps = steps if settings.get("wire_dtype") == "bf16" else steps / 2
+    if not asynchronous and bf16_steps > MAX_PERIOD:
+        return (LINK_BOUND_STRATEGY, {"period": LINK_BOUND_PERIOD},
+                f"an exchange costs {steps:.0f} steps of compute, more than period {MAX_PERIOD} hides even in bf16: "
+                f"{LINK_BOUND_STRATEGY}, period {LINK_BOUND_PERIOD} (only the workers behind the slow link wait, each on its own)")
+    if asynchronous and steps >= MAX_PERIOD:
+        return None  # the link is still too slow for averaging: stay
     if asynchronous:  # even again: the link decides between the synchronous strategies
         if steps >= AVERAGE_ABOVE:
             chosen, words = _averaging(steps, {})
@@ -202,6 +220,8 @@ class Chooser:
             asynchronous = window.strategy not in SYNCHRONOUS
             self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
         found = fitting(window, settings, self.spread) if window is not None else None
+        if found is None and window is not None and window.exchange_s is None:
+            return None  # no exchange landed in the window (a slow link): neither for nor against a candidate
         if found is None:
             self._candidate, self._seen = None, 0
             return None
