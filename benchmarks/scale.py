@@ -43,22 +43,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FLUSH_INTERVAL_S = 0.25  # MetricsSender's default: a worker's batches a second are 4
+# What runs on the scheduler goes by value: the scheduler cannot import this script (imported as a module
+# by the tests, not only run as __main__).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 DRAIN_S = 15.0  # how long the tail of the records may take to arrive after the last batch was sent
 
 
-def step_record(rank: int, step: int, made: float) -> dict[str, Any]:
+def step_record(rank: int, step: int, made: float, samples: int = 32) -> dict[str, Any]:
     """A step record of the shape and size the training loop sends (worker.py `_train_step`)."""
     return {"worker": rank, "step": step, "epoch": step // 1000, "time": made, "loss": 0.5 + (step % 7) * 0.01,
-            "samples": 32, "compute_s": 0.011, "comm_s": 0.0021, "wait_s": 0.0003, "lr": 0.1,
+            "samples": samples, "compute_s": 0.011, "comm_s": 0.0021, "wait_s": 0.0003, "lr": 0.1,
             "strategy": "allreduce", "bytes_sent": 1_114_112}
 
 
 # --- the emulators: each a process with many connections ------------------------------------------------
 
 async def _emulate(address: str, topic_name: str, ranks: list[int], records_per_batch: int, start_at: float,
-                   seconds: float) -> dict[int, int]:
+                   seconds: float, slow: frozenset[int] = frozenset()) -> dict[int, int]:
     from distributed.comm import connect
 
     comms = [await connect(address) for _ in ranks]
@@ -71,7 +76,8 @@ async def _emulate(address: str, topic_name: str, ranks: list[int], records_per_
         while tick < start_at + seconds:
             await asyncio.sleep(max(0.0, tick - time.time()))
             now = time.time()
-            records = [step_record(rank, step + i, now) for i in range(records_per_batch)]
+            # A slow worker's steps carry a quarter of the samples: its samples/s is a quarter of the others'.
+            records = [step_record(rank, step + i, now, 8 if rank in slow else 32) for i in range(records_per_batch)]
             step += records_per_batch
             await comm.write({"op": "log_event", "topic": topic_name, "reply": False,
                               "msg": {"kind": "steps", "rank": rank, "records": records,
@@ -86,9 +92,10 @@ async def _emulate(address: str, topic_name: str, ranks: list[int], records_per_
 
 
 def emulate(address: str, topic_name: str, ranks: list[int], records_per_batch: int, start_at: float,
-            seconds: float, results: Any) -> None:
-    """One emulator process: `ranks` workers, a connection each; puts {rank: records sent} on `results`."""
-    results.put(asyncio.run(_emulate(address, topic_name, ranks, records_per_batch, start_at, seconds)))
+            seconds: float, results: Any, slow: frozenset[int] = frozenset()) -> None:
+    """One emulator process: `ranks` workers, a connection each; puts {rank: records sent} on `results`.
+    `slow`: ranks whose steps carry a quarter of the samples (a straggler, for views of many workers)."""
+    results.put(asyncio.run(_emulate(address, topic_name, ranks, records_per_batch, start_at, seconds, slow)))
 
 
 # --- the dashboard's hub, in its own process ------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Helpers shared by the tests."""
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -76,3 +77,13 @@ def chromium():
             yield browser
         finally:
             browser.close()
+
+
+def load_benchmark(name):
+    """A script of `benchmarks/` as a module (they are scripts, not a package), e.g. the scale emulator.
+    Imported by its own name from the benchmarks directory put on the path, so that processes it spawns
+    (which import their target by module name) find it too."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return importlib.import_module(name)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from workbench.metrics import topic
 from workbench.rundir import read_metrics
 from workbench.collectives import find_free_port as free_port
 
-from helpers import chromium, end_processes
+from helpers import chromium, end_processes, load_benchmark
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -78,7 +80,7 @@ def open_dashboard(browser, url, run_id, user=None, password=None):
 
 def open_tab(page, title):
     """Only the open tab is in the page (the dashboard's tabs are dynamic)."""
-    page.locator(".bk-tab", has_text=title).first.click()
+    page.locator(".bk-tab", has_text=re.compile(rf"^\s*{re.escape(title)}\s*$")).first.click()  # "Run", not "Runs"
 
 
 def count(page, name, column):
@@ -306,3 +308,80 @@ def test_dashboard_served_from_the_notebook_leaves_the_notebooks_runs_their_metr
         server.stop()
         run.stop()
         run.wait(120)
+
+
+def test_a_256_worker_run_shows_its_spread_and_its_slowest_workers_not_256_lines(client, run_dir, browser):
+    # 256 workers emulated as the scale benchmark does (a connection each to the test cluster's scheduler,
+    # step batches 4 times a second); worker 17 at a quarter of the others' samples/s.
+    from workbench import kinds
+    from workbench.feed import announce
+
+    scale = load_benchmark("scale")
+    run_id, workers, seconds = "emulated-256", 256, 25.0
+    announce(client, {"kind": kinds.RUN_REGISTERED, "run_id": run_id, "status": "running", "strategy": "allreduce",
+                      "world_size": workers, "owner": "olivia", "started": time.time()})
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    start_at = time.time() + 5.0
+    emulators = [context.Process(target=scale.emulate, args=(client.scheduler.address, topic(run_id), ranks, 2,
+                                                           start_at, seconds, results, frozenset({17})))
+                 for ranks in (list(range(workers))[0::2], list(range(workers))[1::2])]
+    try:
+        for emulator in emulators:
+            emulator.start()
+        with served(client, run_dir) as url:
+            page = open_dashboard(browser, url, run_id)
+            open_tab(page, "Run")
+            slowest = page.locator(".slowest-workers")
+            expect(slowest).to_contain_text("slowest: worker 17 (", timeout=30_000)
+            page.wait_for_function("() => Bokeh.documents[0].get_model_by_name('throughput-spread')"
+                                   ".data['median'].length > 2", timeout=30_000)
+            assert count(page, "throughput-workers", "xs") == 0  # no line per worker
+            # Worker 17's rate is a quarter of the median's, which is the others'.
+            spread = page.evaluate("() => { const d = Bokeh.documents[0].get_model_by_name('throughput-spread').data;"
+                                   " return [Array.from(d.p10), Array.from(d.median)] }")
+            assert spread[1][-1] > 0 and spread[0][-1] <= spread[1][-1]
+            table = page.locator(".worker-table table tbody tr")
+            expect(table).to_have_count(25)
+            assert table.first.locator("td").first.inner_text() == "17"
+            expect(page.locator(".worker-table")).to_contain_text("the 25 slowest of 256 workers")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-256-workers.png"), full_page=True)
+            page.context.close()
+    finally:
+        for emulator in emulators:
+            emulator.join(timeout=seconds + 30)
+            if emulator.is_alive():
+                emulator.kill()
+        # Ended, so that no later dashboard on this cluster follows it as its newest run.
+        announce(client, {"kind": kinds.RUN_STATUS, "run_id": run_id, "status": "stopped"})
+
+
+def test_a_history_of_200_finished_runs_is_listed_opened_and_compared(client, browser, tmp_path):
+    # A team's runs directory after months: 200 finished runs (generated as the workbench writes them,
+    # by the runs-history benchmark, which times the same steps).
+    history = load_benchmark("runs_history")
+    ids = history.make_runs(tmp_path, 200, steps_range=(40, 120))
+    with served(client, tmp_path) as url:
+        page = open_dashboard(browser, url, ids[-1])  # the newest first
+        open_tab(page, "Runs")
+        rows = page.locator(".runs-table table tbody tr")
+        expect(rows).to_have_count(200)
+        assert rows.first.locator("td").first.inner_text() == ids[-1]
+        assert rows.last.locator("td").first.inner_text() == ids[0]
+        # The oldest run, picked: its loss curve (one point per step, the mean over workers).
+        open_tab(page, "Run")
+        page.get_by_role("combobox", name="Run", exact=True).select_option(ids[0])
+        steps = sum(1 for line in (tmp_path / ids[0] / "metrics.jsonl").read_text().splitlines()
+                    if '"worker": 0, "step"' in line)
+        page.wait_for_function(f"() => ({COUNT.format(name='loss', column='step')})() === {steps}", timeout=30_000)
+        # Three runs compared: a line each on one time axis, a row each in the table.
+        open_tab(page, "Compare")
+        chooser = page.locator(".choices input[type=search]").first
+        for run_id in ids[:3]:
+            chooser.click()
+            chooser.fill(run_id)
+            page.keyboard.press("Enter")
+        page.wait_for_function(f"() => ({COUNT.format(name='compare-loss', column='xs')})() === 3", timeout=30_000)
+        expect(page.locator(".compare-table table tbody tr")).to_have_count(3)
+        page.context.close()

@@ -15,6 +15,7 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
+from workbench import worker_spread
 from workbench.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
 from workbench.lifecycle import FINISHED_STATES
 from workbench.setting_flags import FormField, form_fields, parse_optional
@@ -253,10 +254,13 @@ class ControlPanel:
 
         throughput = s["throughput"]
         workers = sorted(throughput["per_worker"])
+        spread = throughput.get("spread")  # many workers: their median and p10-p90, not a line each
+        lines = ({f"worker {w}": throughput["per_worker"][w] for w in workers} if spread is None
+                 else {"worker median": spread["median"], "worker p10": spread["p10"], "worker p90": spread["p90"]})
         with self.throughput_lines.hold_sync():
             self.throughput_lines.x = throughput["time"]
-            self.throughput_lines.y = [throughput["total"]] + [throughput["per_worker"][w] for w in workers]
-            self.throughput_lines.labels = ["total"] + [f"worker {w}" for w in workers]
+            self.throughput_lines.y = [throughput["total"], *lines.values()]
+            self.throughput_lines.labels = ["total", *lines]
 
         staleness = s["staleness"]
         with self.staleness_bars.hold_sync():
@@ -313,6 +317,10 @@ def _value_at(steps: list[float], values: list[float], step: float) -> float:
 
 
 def _worker_table(rows: list[dict[str, Any]]) -> str:
+    """Every worker in order for a few; for many, the slowest named and the slowest rows first."""
+    slowest = worker_spread.slowest_line(rows)
+    rows, which = worker_spread.table_rows(rows)
+    caption = f"<div><small>{html.escape(slowest)}<br>{html.escape(which)}</small></div>" if which else ""
     header = "<tr><th>worker</th><th>state</th><th>step</th><th>samples/s</th><th>last seen</th><th>address</th></tr>"
     body = []
     for row in rows:
@@ -320,4 +328,4 @@ def _worker_table(rows: list[dict[str, Any]]) -> str:
         body.append(f"<tr><td>{row['worker']}</td><td>{html.escape(row['state'])}</td>"
                     f"<td>{'' if row['step'] is None else row['step']}</td><td>{row['samples_per_s']:,.0f}</td>"
                     f"<td>{seen}</td><td><code>{html.escape(row['address'] or '')}</code></td></tr>")
-    return f"<table style='font-size:90%'>{header}{''.join(body)}</table>"
+    return f"{caption}<table style='font-size:90%'>{header}{''.join(body)}</table>"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from . import kinds
+from . import kinds, worker_spread
 
 STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
 
@@ -181,7 +181,9 @@ class MetricsTable:
             "loss": {"step": step_axis, "loss": loss_axis},
             "loss_time": _axis(loss_time, origin, max_points, "loss"),
             "evaluations": evaluations,
-            "throughput": {"time": time_axis, "total": total, "per_worker": per_worker},
+            # Past PER_WORKER_LINES workers, views draw the distribution over workers instead of a line each.
+            "throughput": {"time": time_axis, "total": total, "per_worker": per_worker,
+                           "spread": worker_spread.spread(per_worker) if worker_spread.many(len(per_worker)) else None},
             "staleness": {"recent_mean": sum(recent) / len(recent) if recent else None,
                           "max": max(histogram) if histogram else None, "histogram": histogram,
                           "over_time": _axis(staleness_time, origin, max_points, "staleness"),

@@ -94,11 +94,11 @@ class SharedRender:
     """What every session would make alike from one run view (an HTML table, say), made once per view:
     sessions draw the same shared view object, so the first one to draw it pays. Keeps the last few."""
 
-    def __init__(self, make: Callable[[dict[str, Any]], Any], keep: int = 8) -> None:
+    def __init__(self, make: Callable[[Any], Any], keep: int = 8) -> None:
         self.make, self.keep = make, keep
-        self._made: list[tuple[dict[str, Any], Any]] = []  # (view, what was made), newest last
+        self._made: list[tuple[Any, Any]] = []  # (view, what was made), newest last
 
-    def __call__(self, view: dict[str, Any]) -> Any:
+    def __call__(self, view: Any) -> Any:
         for made_from, made in self._made:
             if made_from is view:
                 return made

@@ -1,5 +1,7 @@
 """The "Run" tab: the picked run at a glance. Throughput per worker and in total, the loss by step with
-control markers, staleness now, over time and as a histogram, and the table of workers."""
+control markers, staleness now, over time and as a histogram, and the table of workers. Past a few workers
+(`workbench.worker_spread`) the per-worker lines give way to the median and the p10-p90 band, the slowest
+workers are named, and the table shows the slowest first."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +9,8 @@ from typing import Any
 import pandas as pd
 import panel as pn
 from bokeh.models import HoverTool
+
+from workbench import worker_spread
 
 from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, SharedRender, figure, send_markers
 
@@ -21,6 +25,7 @@ class RunOverview:
         self.screen = screen = context.screen
         workers = screen.source("throughput-workers", {"xs": [], "ys": [], "worker": [], "colour": []})
         total = screen.source("throughput", {"time": [], "total": []})
+        band = screen.source("throughput-spread", {"time": [], "median": [], "p10": [], "p90": []})
         loss = screen.source("loss", {"step": [], "loss": []})
         markers = screen.source("markers", MARKER_COLUMNS)
         staleness = screen.source("staleness", {"time": [], "staleness": []})
@@ -29,6 +34,10 @@ class RunOverview:
         throughput = figure("Throughput (samples/s)", "seconds since start", "samples/s")
         throughput.multi_line("xs", "ys", source=workers, line_color="colour", line_alpha=0.6, legend_field="worker")
         throughput.line("time", "total", source=total, line_width=2, color="black", legend_label="total")
+        # Many workers: one band and one line whatever their number (empty with a few).
+        throughput.varea("time", "p10", "p90", source=band, fill_color=COLOURS[0], fill_alpha=0.25,
+                         legend_label="workers p10-p90")
+        throughput.line("time", "median", source=band, line_width=2, color=COLOURS[0], legend_label="worker median")
         throughput.legend.location = "top_left"
         throughput.tags = [clock]  # drawn by nothing, so referenced here to reach the browser
         loss_step = figure("Training loss by step", "step", "loss")
@@ -44,11 +53,12 @@ class RunOverview:
         # HTML made once per run view for every session (`WORKER_TABLE`), not a DataFrame pane that each
         # session renders again: that was a third of a session's redraw (measured with py-spy, 10 sessions).
         self.worker_table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["worker-table"])
+        self.slowest = pn.pane.Markdown("", sizing_mode="stretch_width", css_classes=["slowest-workers"])
         plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
         self.layout = pn.Column(
             pn.Row(plots[0], plots[1], sizing_mode="stretch_width"),
             pn.Row(self.staleness_now, plots[2], plots[3], sizing_mode="stretch_width"),
-            pn.pane.Markdown("#### Workers"), self.worker_table,
+            pn.pane.Markdown("#### Workers"), self.slowest, self.worker_table,
             sizing_mode="stretch_width")
         self._states: list[str] | None = None  # the workers' states last drawn
 
@@ -56,7 +66,9 @@ class RunOverview:
         send = self.screen.send
         throughput = view["throughput"]
         send("throughput", {"time": throughput["time"], "total": throughput["total"]})
-        workers = sorted(throughput["per_worker"])
+        workers = sorted(throughput["per_worker"]) if throughput.get("spread") is None else []
+        spread = throughput.get("spread") or {"median": [], "p10": [], "p90": []}
+        send("throughput-spread", {"time": throughput["time"] if spread["median"] else [], **spread})
         send("throughput-workers", {
             "xs": [throughput["time"]] * len(workers), "ys": [throughput["per_worker"][w] for w in workers],
             "worker": [f"worker {w}" for w in workers], "colour": [COLOURS[w % len(COLOURS)] for w in workers]})
@@ -75,14 +87,18 @@ class RunOverview:
         if self.screen.due("worker_table", 1.0, force or states != self._states):
             self._states = states
             self.screen.show("worker_table", self.worker_table, WORKER_TABLE(view))
+            self.screen.show("slowest", self.slowest, SLOWEST(view))
 
 
 def _worker_table_html(view: dict[str, Any]) -> str:
-    frame = worker_frame(view["workers"], view["staleness"]["per_worker"])
-    return frame.to_html(index=False, border=0, classes="panel-df", na_rep="") if not frame.empty else ""
+    rows, which = worker_spread.table_rows(view["workers"])
+    frame = worker_frame(rows, view["staleness"]["per_worker"])
+    table = frame.to_html(index=False, border=0, classes="panel-df", na_rep="") if not frame.empty else ""
+    return f"<p><small>{which}</small></p>{table}" if which and table else table
 
 
 WORKER_TABLE = SharedRender(_worker_table_html)
+SLOWEST = SharedRender(lambda view: worker_spread.slowest_line(view["workers"]))
 
 
 def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:

@@ -1,0 +1,182 @@
+"""A team's runs history in the dashboard: N finished runs in the runs directory, how long the served
+dashboard takes to start, to show the runs list in a browser, to draw the oldest run and to compare five.
+
+Issue 17, item 4. The runs are generated (`make_runs`): run directories as the workbench leaves them
+(config.json, metrics.jsonl with every step record of every worker, held-out evaluations, the end record,
+summary.json), of 2-4 workers and 300-2,000 steps each, strategies in turn. Then `workbench dashboard`
+is started against a `dask scheduler` of its own with `--runs-dir` on them, and a headless Chromium
+(Debian's, driven by Playwright) opens it:
+
+- start: from launching the dashboard process to its first answer over HTTP (it reads the runs then);
+- list: from asking for the page to the Runs tab holding a row per run;
+- open: from picking the oldest run to its loss plot holding its points;
+- compare: from choosing five runs in the Compare tab to both plots holding five lines.
+
+    python benchmarks/runs_history.py [--runs 200] [--repeats 3] [--label cpu-2core]
+
+The last line printed is one JSON object, also written to `benchmarks/results/runs-history-<label>.json`,
+with the medians (`list_s`, `open_s`, `compare_s`, `start_s`) and every repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+STRATEGIES = ["allreduce", "average", "async", "ssp", "easgd"]
+LINES = "() => {{ const s = Bokeh.documents[0].get_model_by_name('{name}'); return s ? s.data['{column}'].length : -1 }}"
+
+
+def make_runs(directory: Path, runs: int, seed: int = 0, steps_range: tuple[int, int] = (300, 2000)) -> list[str]:
+    """`runs` finished run directories under `directory`, oldest first, of `steps_range` steps each;
+    returns their ids."""
+    rng = random.Random(seed)
+    ids = []
+    began = time.time() - runs * 600.0
+    for index in range(runs):
+        strategy = STRATEGIES[index % len(STRATEGIES)]
+        workers, steps = rng.choice([2, 2, 4]), rng.randrange(*steps_range)
+        run_id = f"{strategy}-history-{index:04d}"
+        path = directory / run_id
+        path.mkdir(parents=True)
+        started = began + index * 600.0
+        (path / "config.json").write_text(json.dumps({
+            "run_id": run_id, "owner": rng.choice(["olivia", "oscar", "victor"]), "strategy": strategy,
+            "settings": {"period": 16} if strategy in ("average", "easgd") else {}, "world_size": workers,
+            "started": started, "workers": [f"tcp://10.0.0.{w}:4000{w}" for w in range(workers)]}))
+        lines = []
+        for step in range(steps):
+            for worker in range(workers):
+                made = started + step * 0.05 + worker * 0.001
+                record = {"kind": "step", "worker": worker, "step": step, "epoch": step // 100, "time": made,
+                          "loss": 2.3 / (1 + step / 200) + rng.random() * 0.05, "samples": 32, "compute_s": 0.011,
+                          "comm_s": 0.002, "wait_s": 0.0003, "lr": 0.1, "strategy": strategy, "bytes_sent": 1_114_112}
+                if strategy in ("async", "ssp"):
+                    record["staleness"] = rng.randrange(0, workers)
+                lines.append(json.dumps(record))
+            if step % 100 == 99:
+                lines.append(json.dumps({"kind": "eval", "worker": 0, "step": step, "time": made + 0.01,
+                                         "loss": 2.0 / (1 + step / 200), "accuracy": min(0.97, 0.5 + step / 4000)}))
+        ended = started + steps * 0.05
+        lines.append(json.dumps({"kind": "run-finished", "time": ended}))
+        (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (path / "summary.json").write_text(json.dumps({
+            "run_id": run_id, "status": "finished", "strategy": strategy, "total_steps": steps, "workers": workers,
+            "steps_done": steps, "samples_per_s": 32 * workers / 0.05, "final_loss": 2.3 / (1 + steps / 200)}))
+        ids.append(run_id)
+    return ids
+
+
+def start_dashboard(address: str, runs_dir: Path, port: int) -> tuple[subprocess.Popen, float]:
+    """`workbench dashboard` on the runs; returns the process and the seconds to its first HTTP answer."""
+    began = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--scheduler", address,
+                                "--port", str(port), "--runs-dir", str(runs_dir)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the dashboard exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
+            return process, time.monotonic() - began
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() - began > 300:
+                process.kill()
+                raise RuntimeError("the dashboard did not answer within 300 s")
+            time.sleep(0.05)  # polling a port not open yet: nothing to wait on
+
+
+def measure_page(browser: Any, url: str, ids: list[str]) -> dict[str, float]:
+    """One browser page: the runs list, the oldest run, a comparison of five; seconds each."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    try:
+        began = time.monotonic()
+        page.goto(url)
+        page.locator(".bk-tab", has_text="Runs").first.click()
+        page.locator(".runs-table table tbody tr").nth(len(ids) - 1).wait_for(timeout=120_000)
+        list_s = time.monotonic() - began
+        rows = page.locator(".runs-table table tbody tr").count()
+        page.locator(".bk-tab", has_text="Run").first.click()
+        began = time.monotonic()
+        page.get_by_role("combobox", name="Run", exact=True).select_option(ids[0])
+        page.wait_for_function("() => { const s = Bokeh.documents[0].get_model_by_name('loss');"
+                               " return s && s.data['step'].length > 100 }", timeout=120_000)
+        open_s = time.monotonic() - began
+        page.locator(".bk-tab", has_text="Compare").first.click()
+        began = time.monotonic()
+        chooser = page.get_by_role("combobox").last
+        for run_id in ids[-5:]:
+            chooser.click()
+            chooser.fill(run_id)
+            page.keyboard.press("Enter")
+        page.wait_for_function(f"() => ({LINES.format(name='compare-loss', column='xs')})() === 5", timeout=120_000)
+        compare_s = time.monotonic() - began
+        return {"list_s": round(list_s, 3), "rows": rows, "open_s": round(open_s, 3), "compare_s": round(compare_s, 3)}
+    finally:
+        page.context.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--label", default="cpu-2core")
+    arguments = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    from workbench.collectives import find_free_port
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scale import start_scheduler
+
+    with tempfile.TemporaryDirectory() as scratch:
+        runs_dir = Path(scratch) / "runs"
+        made = time.monotonic()
+        ids = make_runs(runs_dir, arguments.runs)
+        size_mb = sum(f.stat().st_size for f in runs_dir.rglob("*") if f.is_file()) / 1e6
+        print(f"{len(ids)} runs, {size_mb:.0f} MB, made in {time.monotonic() - made:.1f} s", flush=True)
+        scheduler, address = start_scheduler(Path(scratch))
+        repeats = []
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+                for repeat in range(arguments.repeats):
+                    port = find_free_port()
+                    dashboard, start_s = start_dashboard(address, runs_dir, port)
+                    try:
+                        result = {"start_s": round(start_s, 3), **measure_page(browser, f"http://127.0.0.1:{port}/", ids)}
+                    finally:
+                        dashboard.terminate()
+                        dashboard.wait(timeout=30)
+                    print(f"repeat {repeat + 1}: {result}", flush=True)
+                    repeats.append(result)
+                browser.close()
+        finally:
+            scheduler.terminate()
+            scheduler.wait(timeout=30)
+    medians = {key: statistics.median(r[key] for r in repeats) for key in ("start_s", "list_s", "open_s", "compare_s")}
+    result = {"benchmark": "runs_history", "date": datetime.date.today().isoformat(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+              "runs": arguments.runs, "size_mb": round(size_mb), "rows_shown": repeats[-1]["rows"], **medians,
+              "repeats": repeats}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"runs-history-{arguments.label}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "repeats"}))
+
+
+if __name__ == "__main__":
+    main()
