@@ -220,8 +220,10 @@ class Chooser:
             asynchronous = window.strategy not in SYNCHRONOUS
             self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
         found = fitting(window, settings, self.spread) if window is not None else None
-        if found is None and window is not None and window.exchange_s is None:
-            return None  # no exchange landed in the window (a slow link): neither for nor against a candidate
+        if found is None and (window is None or window.exchange_s is None):
+            # Too few steps or no exchange landed in the window (a slow link, a switch being made):
+            # neither for nor against a candidate.
+            return None
         if found is None:
             self._candidate, self._seen = None, 0
             return None

@@ -19,6 +19,9 @@ SUMMARY = ("auto: the workbench picks the strategy and its settings from what th
            "stragglers) and says why at each switch; a switch by hand or Pin turns it off")
 START = "allreduce"  # exact, and the fastest where the link is fast: what `auto` starts with
 WINDOW_S = 2.0  # seconds of step records one judgement looks at
+# ... or this many, where those hold too few steps or no exchange: on a slow link a worker averaging every
+# 16 steps waits seconds per exchange (measured at 20 Mbit/s: 3-4 s), and a short window holds none.
+WIDE_WINDOW_S = 8.0
 log = logging.getLogger(__name__)
 
 
@@ -46,10 +49,9 @@ class AutoPilot:
         if not self.on or run.status != "running" or now < self._next:
             return
         self._next = now + self.window_s
-        workers = len(run.worker_addresses)
-        records = [r for r in run.table.recent_steps(self.window_s)
-                   if r.get("strategy") == run.strategy and r["worker"] < workers]
-        window = measure(records, run.strategy)
+        window = self._measure(run, self.window_s)
+        if window is None or window.exchange_s is None:
+            window = self._measure(run, max(self.window_s, WIDE_WINDOW_S)) or window
         choice = self.chooser.observe(window, run.settings, now)
         self.judged, self.last_window = self.judged + 1, window
         if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
@@ -73,6 +75,12 @@ class AutoPilot:
             run.switch(choice.strategy, by_auto=True, **choice.settings)
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
+
+    @staticmethod
+    def _measure(run: Any, seconds: float) -> Any:
+        workers = len(run.worker_addresses)
+        records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy and r["worker"] < workers]
+        return measure(records, run.strategy)
 
     def turn_on(self, run: Any) -> None:
         """Choose again from now on, judging afresh (what was measured before the pin is history)."""
