@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -100,25 +101,36 @@ def start_dashboard(address: str, runs_dir: Path, port: int) -> tuple[subprocess
             time.sleep(0.05)  # polling a port not open yet: nothing to wait on
 
 
-def measure_page(browser: Any, url: str, ids: list[str]) -> dict[str, float]:
+def open_tab(page: Any, title: str) -> None:
+    page.locator(".bk-tab", has_text=re.compile(rf"^\s*{re.escape(title)}\s*$")).first.click()  # "Run", not "Runs"
+
+
+def records_of(runs_dir: Path, run_id: str) -> int:
+    """How many step records a generated run holds."""
+    return sum(1 for line in (runs_dir / run_id / "metrics.jsonl").read_text().splitlines()
+               if line.startswith('{"kind": "step"'))
+
+
+def measure_page(browser: Any, url: str, ids: list[str], runs_dir: Path) -> dict[str, float]:
     """One browser page: the runs list, the oldest run, a comparison of five; seconds each."""
     page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         began = time.monotonic()
         page.goto(url)
-        page.locator(".bk-tab", has_text="Runs").first.click()
+        open_tab(page, "Runs")
         page.locator(".runs-table table tbody tr").nth(len(ids) - 1).wait_for(timeout=120_000)
         list_s = time.monotonic() - began
         rows = page.locator(".runs-table table tbody tr").count()
-        page.locator(".bk-tab", has_text="Run").first.click()
+        open_tab(page, "Run")
         began = time.monotonic()
         page.get_by_role("combobox", name="Run", exact=True).select_option(ids[0])
-        page.wait_for_function("() => { const s = Bokeh.documents[0].get_model_by_name('loss');"
-                               " return s && s.data['step'].length > 100 }", timeout=120_000)
+        # The Run tab's clock counts the shown run's step records: the newest run's, shown before, differ.
+        page.wait_for_function("() => { const s = Bokeh.documents[0].get_model_by_name('clock');"
+                               f" return s && s.data['steps'][0] === {records_of(runs_dir, ids[0])} }}", timeout=120_000)
         open_s = time.monotonic() - began
-        page.locator(".bk-tab", has_text="Compare").first.click()
+        open_tab(page, "Compare")
         began = time.monotonic()
-        chooser = page.get_by_role("combobox").last
+        chooser = page.locator(".choices input[type=search]").first  # the MultiChoice's search box
         for run_id in ids[-5:]:
             chooser.click()
             chooser.fill(run_id)
@@ -158,7 +170,7 @@ def main() -> None:
                     port = find_free_port()
                     dashboard, start_s = start_dashboard(address, runs_dir, port)
                     try:
-                        result = {"start_s": round(start_s, 3), **measure_page(browser, f"http://127.0.0.1:{port}/", ids)}
+                        result = {"start_s": round(start_s, 3), **measure_page(browser, f"http://127.0.0.1:{port}/", ids, runs_dir)}
                     finally:
                         dashboard.terminate()
                         dashboard.wait(timeout=30)
