@@ -9,11 +9,11 @@ time-boxed run measured as `benchmarks/network.py` does (`Cells.workbench`: warm
 then a window of `--window-s` seconds or two exchange cycles of every worker; throughput from the step
 records covering the window); mean staleness is taken over the window's pushes.
 
-The simulator is calibrated from ONE run measured the same way before the grid (allreduce, 2 worker
-hosts, unlimited link: `--calibrate-with`), and sees nothing of the grid. The JSON under
-`benchmarks/results/simulator-<label>.json` keeps the calibration run's step records, so the
-predictions can be made again from it without the lab (`--from FILE`, e.g. after a change to the model;
-say so when reporting figures made that way).
+The simulator is calibrated from ONE run measured the same way before the grid (by default allreduce,
+2 worker hosts, unlimited link; `--calibrate-with`) and sees nothing of the grid. The JSON under
+`benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
+so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
+the document then says `predicted_again`).
 
     python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler]
                                    [--window-s 3] [--quick] [--from benchmarks/results/simulator-....json]
@@ -50,7 +50,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("easgd p16", "easgd", {"period": 16}),
 ]
 # Short runs measured before the grid, on 2 worker hosts at the unlimited link; the simulator is
-# calibrated from one of them (CALIBRATE_WITH unless --calibrate-with).
+# calibrated from one of them (the first unless --calibrate-with).
 CALIBRATION_RUNS: list[tuple[str, str, dict[str, Any]]] = [
     ("allreduce", "allreduce", {}),
     ("average p4", "average", {"period": 4}),
@@ -181,12 +181,13 @@ def _plain_records(frame: Any) -> list[dict[str, Any]]:
 # --- predicting -----------------------------------------------------------------------------------------------
 
 
-def predict_points(document: dict[str, Any]) -> dict[str, Any]:
+def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, Any]:
     """Calibrate from the document's calibration records, predict every measured point, and the errors."""
     from workbench import simulate
 
-    calibration = simulate.calibrate(document["calibration_records"], model_bytes=MODEL_BYTES,
-                                     link_rate=None, workers=2, cores=os.cpu_count() or 1)
+    run = document["calibration_runs"][calibrate_with]
+    calibration = simulate.calibrate(run["records"], model_bytes=MODEL_BYTES, link_rate=None, workers=2,
+                                     cores=document["machine"]["cores"])
     rows = []
     for point in document["points"]:
         if "error" in point:
@@ -196,7 +197,7 @@ def predict_points(document: dict[str, Any]) -> dict[str, Any]:
         link = None if condition in ("unlimited", STRAGGLER) else _rate(condition)
         straggler = STRAGGLER_SHARE if condition == STRAGGLER else None
         predicted = simulate.predict(calibration, point["strategy"], point["settings"], point["workers"], link,
-                                     straggler=straggler)
+                                     straggler=straggler, cores=document["machine"]["cores"])
         row = {"config": point["config"], "strategy": point["strategy"], "condition": condition,
                "workers": point["workers"], "measured_samples_per_s": point["samples_per_s"],
                "predicted_samples_per_s": predicted.samples_per_s,
@@ -213,7 +214,8 @@ def predict_points(document: dict[str, Any]) -> dict[str, Any]:
     worst = max(good, key=lambda r: r["throughput_error"]) if good else None
     stale = [r for r in rows if "staleness_error" in r]
     worst_stale = max(stale, key=lambda r: r["staleness_error"]) if stale else None
-    return {"calibration": calibration.as_dict(), "table": rows,
+    return {"calibrated_with": f"{calibrate_with}, 2 worker hosts, unlimited link",
+            "calibration": calibration.as_dict(), "table": rows,
             "max_throughput_error": worst["throughput_error"] if worst else None,
             "max_throughput_error_at": _where(worst),
             "median_throughput_error": statistics.median(r["throughput_error"] for r in good) if good else None,
@@ -265,6 +267,8 @@ def parse_arguments() -> argparse.Namespace:
                                                       "(default cpu-<cores>core-<date>; --quick saves only with one)")
     parser.add_argument("--from", dest="source", default=None,
                         help="predict again from a saved result's calibration records and points (no lab)")
+    parser.add_argument("--calibrate-with", default=CALIBRATION_RUNS[0][0],
+                        help=f"the calibration run: one of {', '.join(n for n, _, _ in CALIBRATION_RUNS)}")
     parser.add_argument("--quick", action="store_true", help="2 worker hosts, unlimited and 100mbit, 2 strategies")
     arguments = parser.parse_args()
     if arguments.quick:
@@ -281,11 +285,11 @@ def main() -> None:
         document = measure(arguments)
         # The measurements first, so a failure of the model loses no lab time.
         Path("/tmp/simulator-measured.json").write_text(json.dumps(network._rounded(document)))
-    document.update(predict_points(document))
+    document.update(predict_points(document, arguments.calibrate_with))
     print_table(document)
     label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
     if arguments.source or not (arguments.quick and arguments.label is None):
-        path = Path(arguments.source) if arguments.source else RESULTS / f"simulator-{label}.json"
+        path = RESULTS / f"simulator-{label}.json"
         path.write_text(json.dumps(network._rounded(document), indent=1) + "\n")
         print(f"\nwritten to {path}")
     summary = {k: document[k] for k in ("max_throughput_error", "max_throughput_error_at", "median_throughput_error",

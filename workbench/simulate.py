@@ -54,6 +54,9 @@ class Calibration:
     """Bytes per second one core moves through an exchange (each way at once) when the link does not
     limit it: serialisation and copies, measured on the calibration run's link."""
     samples_per_step: int = 128
+    step_overhead_s: float = 0.0
+    """The training loop's own time per step beyond compute and communication (data, metrics, control
+    checks), on one whole core."""
     latency_s: float = 0.0
     """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
     server_apply_s: float = 0.0
@@ -101,35 +104,49 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rat
     spread = _spread(records, ranks)
     link = math.inf if link_rate is None else link_rate * known.get("link_efficiency", 1.0)
     wire = 2 * (n - 1) / n * model_bytes if n > 1 else 0.0
+    # Means, not medians: the occasional slow step (a collection, a metrics flush) costs throughput too.
+    overhead = _loop_overhead(records, ranks)
     if strategy == "average":
         # Between syncs a step is compute alone; a sync is a blocking all-reduce of the weights.
         syncs = [r for r in records if r.get("bytes_sent")]
         local = [r for r in records if not r.get("bytes_sent")]
-        measured_compute = statistics.median(r["compute_s"] for r in local or records)
-        exchange = statistics.median(r["comm_s"] for r in syncs) if syncs else 0.0
-        step_s = measured_compute
-        busy = measured_compute  # CPU work per step is all on the path: no overlap to hide it
+        measured_compute = statistics.fmean(r["compute_s"] for r in local or records)
+        exchange = statistics.fmean(r["comm_s"] for r in syncs) if syncs else 0.0
+        speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
     elif strategy == "allreduce":
-        measured_compute = statistics.median(r["compute_s"] for r in records)
-        exposed = statistics.median(r["comm_s"] for r in records)
+        measured_compute = statistics.fmean(r["compute_s"] for r in records)
+        measured_comm = statistics.fmean(r["comm_s"] for r in records)
         # The wait for the slower worker is part of the measured exposure, not of the transfer.
-        exposed = max(0.0, exposed - measured_compute * spread * expected_max(n))
+        exposed = max(0.0, measured_comm - measured_compute * spread * expected_max(n))
         exchange = _invert_overlap(exposed, BACKWARD_SHARE * measured_compute, model_bytes, bucket_mb * MIB)
-        step_s = measured_compute + statistics.median(r["comm_s"] for r in records)
-        busy = measured_compute + exchange
+        # The CPU speed the workers had: below 1 when they wanted more than the shared cores (compute,
+        # copies and the loop of all n workers at once); then every measured time is stretched by it.
+        step_s = measured_compute + measured_comm + overhead
+        busy = measured_compute + exchange + overhead
+        speed = 1.0 if cores is None else min(1.0, cores * step_s / (n * busy))
     else:
         raise ValueError(f"strategy {strategy!r}: calibrate from an 'allreduce' or 'average' run")
-    # The CPU speed the workers had: below 1 when they wanted more than the shared cores (compute and
-    # copies of all n workers at once); then both measured times are stretched by it.
-    speed = 1.0 if cores is None else min(1.0, cores * step_s / (n * busy)) if busy > 0 else 1.0
-    if strategy == "average":
-        speed = 1.0 if cores is None else min(1.0, cores / n)
     copy_s = exchange if math.isinf(link) else max(0.0, exchange - wire / link)
     host_rate = wire / (copy_s * speed) if copy_s > 0 and wire > 0 else math.inf
     fields = {"compute_s": measured_compute * speed, "compute_spread": spread, "model_bytes": float(model_bytes),
-              "host_rate": host_rate, "samples_per_step": batch,
+              "host_rate": host_rate, "samples_per_step": batch, "step_overhead_s": overhead * speed,
               "calibrated_from": f"{strategy}, {n} workers, {len(records)} step records"}
     return Calibration(**{**fields, **known})
+
+
+def _loop_overhead(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
+    """The loop's own time per step outside compute, communication and waits (data, metrics, control):
+    each worker's time from its first to its last step record, less what those steps recorded."""
+    gaps = []
+    for rank in ranks:
+        mine = sorted((r for r in records if r.get("worker", 0) == rank and r.get("time") is not None),
+                      key=lambda r: r["time"])
+        if len(mine) < 2:
+            continue
+        between = (mine[-1]["time"] - mine[0]["time"]) / (len(mine) - 1)
+        recorded = statistics.fmean(r["compute_s"] + r.get("comm_s", 0.0) + r.get("wait_s", 0.0) for r in mine[1:])
+        gaps.append(max(0.0, between - recorded))
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def _spread(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
@@ -298,25 +315,27 @@ class _Model:
         payload = 2 * (n - 1) / n * c.model_bytes * wire if n > 1 else 0.0
         slowest = min(group.speed for group in self.classes)
         compute = c.compute_s / slowest
+        loop = c.step_overhead_s / slowest
         if self.strategy == "allreduce":
             steps = 1
             buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
             transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
             exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
                                       values["bucket_mb"] * MIB)
-            path = compute * (1 + c.compute_spread * expected_max(n))
+            path = compute * (1 + c.compute_spread * expected_max(n)) + loop
         else:
             steps = values["period"]
             transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
             # Over a period the steps' spread averages out as 1/sqrt(period).
-            path = steps * compute * (1 + c.compute_spread * expected_max(n) / math.sqrt(steps))
+            path = steps * (compute * (1 + c.compute_spread * expected_max(n) / math.sqrt(steps)) + loop)
             exposed = max(0.0, transfer - path) if values["overlap"] else transfer
         cycle = path + exposed
         copies = payload / c.host_rate
+        step_work = c.compute_s + c.step_overhead_s
         for group in self.classes:
             group.steps, group.cycle = steps, cycle
-            group.exposed = cycle - steps * c.compute_s / group.speed
-            group.work = steps * c.compute_s + copies
+            group.exposed = cycle - steps * step_work / group.speed
+            group.work = steps * step_work + copies
 
     # --- the parameter server: async, ssp, easgd -------------------------------------------------------
 
@@ -336,10 +355,10 @@ class _Model:
             wire = (push + reply) * remote / self.link
             copies = (push + reply) / (2 * c.host_rate * group.speed)
             round_trip = max(wire, copies) + service / holder.speed + 2 * c.latency_s
-            compute = steps * c.compute_s / group.speed
+            compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
-            group.work = steps * c.compute_s + (push + reply) / (2 * c.host_rate)
+            group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
         crossing = (self.n - 1) * max(push, reply) / shards / self.link
@@ -351,7 +370,7 @@ class _Model:
         for group in self.classes:
             group.cycle *= max(1.0, queue)
         for group in self.classes:
-            group.exposed = group.cycle - group.steps * c.compute_s / group.speed
+            group.exposed = group.cycle - group.steps * (c.compute_s + c.step_overhead_s) / group.speed
         self._bound_and_staleness(pushes_per_fetch)
         self.server_load = sum(g.count / g.cycle for g in self.classes) * service
 
