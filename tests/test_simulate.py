@@ -138,32 +138,44 @@ def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():
 
 
 def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, steps: int = 400):
-    """Step records as the lab would write them for `cal`, made with the simulator's own model."""
-    got = predict(cal, "allreduce", {}, workers, None, cores=cores)
-    speed = got.cpu_speed
-    compute = cal.compute_s / speed
-    cycle = workers * 128 / got.samples_per_s
+    """Step records as an allreduce run writes them, for a run whose truth is `cal`: with spare cores the
+    buckets' copies run beside backward; with a core or less per worker they share it with the rest of
+    backward once the first bucket is ready (`simulate.calibrate`'s two cases)."""
+    wire = 2 * (workers - 1) / workers * cal.model_bytes
+    copy = wire / cal.host_rate
+    first = min(1.0, 4 * simulate.MIB / cal.model_bytes)
+    if cores is not None and workers >= cores:
+        share = cores / workers
+        overlapped = (1 - first) * simulate.BACKWARD_SHARE
+        compute = cal.compute_s * (1 + overlapped) / share
+        exposed = (copy - overlapped * cal.compute_s) / share
+    else:
+        compute = cal.compute_s
+        exposed = bucket_exposure(copy, simulate.BACKWARD_SHARE * compute, cal.model_bytes, 4 * simulate.MIB)
+    comm = exposed + compute * cal.compute_spread * simulate.expected_max(workers)  # the wait for the slower
     rng = random.Random(0)
     records = []
     for worker in range(workers):
         for step in range(steps):
-            # A symmetric jitter of known robust spread (a normal draw), beside the median step.
+            # A symmetric jitter of known robust spread (a normal draw) around the mean step.
             jitter = rng.gauss(0, cal.compute_spread)
-            records.append({"worker": worker, "step": step, "compute_s": compute * (1 + jitter),
-                            "comm_s": cycle - compute, "wait_s": 0.0, "samples": 128, "strategy": "allreduce",
-                            "bytes_sent": 2 * (workers - 1) / workers * cal.model_bytes})
-    return records
+            records.append({"worker": worker, "step": step, "compute_s": compute * (1 + jitter), "comm_s": comm,
+                            "wait_s": 0.0, "samples": 128, "strategy": "allreduce", "bytes_sent": wire})
+    return records, workers * 128 / (compute + comm)
 
 
 @pytest.mark.parametrize("cores", [None, 2.0])
 def test_calibration_recovers_the_values_synthetic_records_were_made_from(cores):
     truth = calibration(compute_s=0.019, compute_spread=0.05, host_rate=600e6)
-    records = _synthetic_allreduce(truth, 2, cores)
+    records, samples_per_s = _synthetic_allreduce(truth, 2, cores)
     got = calibrate(records, MODEL_BYTES, workers=2, cores=cores)
     assert got.compute_s == pytest.approx(truth.compute_s, rel=0.03)
     assert got.compute_spread == pytest.approx(truth.compute_spread, rel=0.15)
     assert got.host_rate == pytest.approx(truth.host_rate, rel=0.05)
     assert got.samples_per_step == 128
+    # And the calibrated model predicts the run it was calibrated from.
+    again = predict(got, "allreduce", {}, 2, None, cores=cores).samples_per_s
+    assert again == pytest.approx(samples_per_s, rel=0.05)
 
 
 def test_calibration_from_averaging_reads_compute_between_syncs_and_the_exchange_at_them():

@@ -118,12 +118,19 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rat
         measured_comm = statistics.fmean(r["comm_s"] for r in records)
         # The wait for the slower worker is part of the measured exposure, not of the transfer.
         exposed = max(0.0, measured_comm - measured_compute * spread * expected_max(n))
-        exchange = _invert_overlap(exposed, BACKWARD_SHARE * measured_compute, model_bytes, bucket_mb * MIB)
-        # The CPU speed the workers had: below 1 when they wanted more than the shared cores (compute,
-        # copies and the loop of all n workers at once); then every measured time is stretched by it.
-        step_s = measured_compute + measured_comm + overhead
-        busy = measured_compute + exchange + overhead
-        speed = 1.0 if cores is None else min(1.0, cores * step_s / (n * busy))
+        share = 1.0 if cores is None else min(1.0, cores / n)
+        if cores is not None and n >= cores:
+            # Each worker had a core at most: once the first bucket is ready its copies and the rest of
+            # backward share that core, so the measured compute holds that much copying, and the copy
+            # done then is hidden, the rest exposed. Both at the worker's share of the cores.
+            overlapped = (1 - min(1.0, bucket_mb * MIB / model_bytes)) * BACKWARD_SHARE
+            pure_compute = measured_compute / (1 + overlapped)
+            exchange = exposed + overlapped * pure_compute
+            measured_compute = pure_compute
+        else:
+            # Spare cores: the copies ran beside backward; undo the bucket overlap to get the transfer.
+            exchange = _invert_overlap(exposed, BACKWARD_SHARE * measured_compute, model_bytes, bucket_mb * MIB)
+        speed = share
     else:
         raise ValueError(f"strategy {strategy!r}: calibrate from an 'allreduce' or 'average' run")
     copy_s = exchange if math.isinf(link) else max(0.0, exchange - wire / link)
