@@ -40,7 +40,8 @@ def test_allreduce_comm_share_is_the_hand_computed_value(workers):
     cal = calibration()
     rate = 12.5e6
     got = predict(cal, "allreduce", {"bucket_mb": 64}, workers, rate)
-    transfer = 2 * (workers - 1) / workers * MODEL_BYTES / rate
+    # A shaped link carries its rate in Ethernet frames: TCP's payload is 1448 of every 1514 bytes.
+    transfer = 2 * (workers - 1) / workers * MODEL_BYTES / (rate * 1448 / 1514)
     assert got.comm_share == pytest.approx(transfer / (cal.compute_s + transfer))
     assert got.samples_per_s == pytest.approx(workers * 128 / (cal.compute_s + transfer))
 
@@ -58,7 +59,7 @@ def test_average_pays_one_blocking_exchange_per_period_and_overlap_hides_it():
     cal = calibration()
     rate = 125e6
     blocking = predict(cal, "average", {"period": 8}, 2, rate)
-    transfer = MODEL_BYTES / rate
+    transfer = MODEL_BYTES / (rate * cal.link_efficiency)
     assert blocking.samples_per_s == pytest.approx(2 * 8 * 128 / (8 * cal.compute_s + transfer))
     hidden = predict(cal, "average", {"period": 8, "overlap": True}, 2, rate)
     assert hidden.samples_per_s == pytest.approx(2 * 128 / cal.compute_s)  # 60 ms hidden behind 160 ms
@@ -189,7 +190,8 @@ def test_calibration_from_averaging_reads_compute_between_syncs_and_the_exchange
     assert got.compute_s == pytest.approx(0.02)
     assert got.host_rate == pytest.approx(MODEL_BYTES / 0.015)
     # With a 100 Mbit/s link, the wire's own time is taken out of the exchange first.
-    slow = [dict(r, comm_s=MODEL_BYTES / 12.5e6 + 0.015) if r.get("bytes_sent") else r for r in records]
+    slow = [dict(r, comm_s=MODEL_BYTES / (12.5e6 * 1448 / 1514) + 0.015) if r.get("bytes_sent") else r
+            for r in records]
     assert calibrate(slow, MODEL_BYTES, link_rate=12.5e6, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.015)
 
 

@@ -61,8 +61,9 @@ class Calibration:
     """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
     server_apply_s: float = 0.0
     """The server's CPU time to apply one push, beyond moving its bytes (measured 0 unless known)."""
-    link_efficiency: float = 1.0
-    """Goodput as a fraction of a shaped link's nominal rate."""
+    link_efficiency: float = 1448 / 1514
+    """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
+    1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
     calibrated_from: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,7 +103,8 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rat
     n = workers or len(ranks)
     batch = int(statistics.median(r.get("samples", 128) for r in records))
     spread = _spread(records, ranks)
-    link = math.inf if link_rate is None else link_rate * known.get("link_efficiency", 1.0)
+    efficiency = known.get("link_efficiency", Calibration.__dataclass_fields__["link_efficiency"].default)
+    link = math.inf if link_rate is None else link_rate * efficiency
     wire = 2 * (n - 1) / n * model_bytes if n > 1 else 0.0
     # Means, not medians: the occasional slow step (a collection, a metrics flush) costs throughput too.
     overhead = _loop_overhead(records, ranks)
