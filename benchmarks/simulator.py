@@ -253,6 +253,33 @@ def print_table(result: dict[str, Any]) -> None:
           f"max staleness error {network._fmt(result['max_staleness_error'], 2)} ({result['max_staleness_error_at']})")
 
 
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README's table: per configuration and condition, measured / predicted samples/s and the
+    error at each worker count; staleness (measured / predicted) beside the parameter-server rows."""
+    rows = [r for r in result["table"] if "error" not in r]
+    sizes = sorted({r["workers"] for r in rows})
+    conditions = list(dict.fromkeys(r["condition"] for r in rows))
+    header = "| configuration | condition | " + " | ".join(f"{n} workers: measured / predicted" for n in sizes)
+    lines = [header + " | staleness m / p |", "|---|---|" + "---:|" * len(sizes) + "---|"]
+    for name in dict.fromkeys(r["config"] for r in rows):
+        for condition in conditions:
+            cells, stale = [], []
+            for size in sizes:
+                row = next((r for r in rows if r["config"] == name and r["condition"] == condition
+                            and r["workers"] == size), None)
+                if row is None:
+                    cells.append("-")
+                    continue
+                error = row["throughput_error"]
+                mark = "**" if error > 0.15 else ""
+                cells.append(f"{row['measured_samples_per_s']:,.0f} / {row['predicted_samples_per_s']:,.0f} "
+                             f"({mark}{error:.0%}{mark})")
+                if row.get("measured_staleness") is not None and row.get("predicted_staleness") is not None:
+                    stale.append(f"{row['measured_staleness']:.1f}/{row['predicted_staleness']:.1f}")
+            lines.append(f"| {name} | {condition} | " + " | ".join(cells) + f" | {' '.join(stale) or '-'} |")
+    return "\n".join(lines)
+
+
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="2,3,4", help="worker hosts of each lab, comma-separated")
@@ -287,6 +314,7 @@ def main() -> None:
         Path("/tmp/simulator-measured.json").write_text(json.dumps(network._rounded(document)))
     document.update(predict_points(document, arguments.calibrate_with))
     print_table(document)
+    print("\n" + markdown_table(document))
     label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
     if arguments.source or not (arguments.quick and arguments.label is None):
         path = RESULTS / f"simulator-{label}.json"

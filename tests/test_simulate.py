@@ -153,7 +153,7 @@ def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, st
     else:
         compute = cal.compute_s
         exposed = bucket_exposure(copy, simulate.BACKWARD_SHARE * compute, cal.model_bytes, 4 * simulate.MIB)
-    comm = exposed + compute * cal.compute_spread * simulate.expected_max(workers)  # the wait for the slower
+    comm = exposed + cal.compute_s * cal.compute_spread * simulate.expected_max(workers)  # the wait for the slower
     rng = random.Random(0)
     records = []
     for worker in range(workers):

@@ -118,20 +118,22 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rat
     elif strategy == "allreduce":
         measured_compute = statistics.fmean(r["compute_s"] for r in records)
         measured_comm = statistics.fmean(r["comm_s"] for r in records)
-        # The wait for the slower worker is part of the measured exposure, not of the transfer.
-        exposed = max(0.0, measured_comm - measured_compute * spread * expected_max(n))
         share = 1.0 if cores is None else min(1.0, cores / n)
-        if cores is not None and n >= cores:
-            # Each worker had a core at most: once the first bucket is ready its copies and the rest of
-            # backward share that core, so the measured compute holds that much copying, and the copy
-            # done then is hidden, the rest exposed. Both at the worker's share of the cores.
-            overlapped = (1 - min(1.0, bucket_mb * MIB / model_bytes)) * BACKWARD_SHARE
-            pure_compute = measured_compute / (1 + overlapped)
+        # Each worker had a core at most: once the first bucket is ready its copies and the rest of
+        # backward share that core, so the measured compute holds that much copying (and that copy is
+        # hidden). With spare cores the copies ran beside backward.
+        overlapped = (1 - min(1.0, bucket_mb * MIB / model_bytes)) * BACKWARD_SHARE
+        saturated = cores is not None and n >= cores
+        pure_compute = measured_compute / (1 + overlapped) if saturated else measured_compute
+        # The wait for the slower worker (predict's `idle`) is part of the measured exposure, not of the
+        # transfer.
+        exposed = max(0.0, measured_comm - pure_compute * share * spread * expected_max(n))
+        if saturated:
             exchange = exposed + overlapped * pure_compute
-            measured_compute = pure_compute
         else:
-            # Spare cores: the copies ran beside backward; undo the bucket overlap to get the transfer.
+            # Undo the bucket overlap to get the transfer.
             exchange = _invert_overlap(exposed, BACKWARD_SHARE * measured_compute, model_bytes, bucket_mb * MIB)
+        measured_compute = pure_compute
         speed = share
     else:
         raise ValueError(f"strategy {strategy!r}: calibrate from an 'allreduce' or 'average' run")
@@ -233,6 +235,7 @@ class _Class:
     exposed: float = 0.0  # communication the cycle waited for
     work: float = 0.0  # CPU seconds (at speed 1) per cycle, the server's share on its host excluded
     throttled: bool = False
+    idle: float = 0.0  # of the cycle, waiting for the slowest worker's step: CPU nobody else can use
 
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
@@ -308,7 +311,8 @@ class _Model:
 
     def demand(self, group: _Class) -> float:
         """Cores one worker of `group` wants (its shard's service included), at most its cap."""
-        own = group.work / group.cycle if group.cycle > 0 else 0.0
+        busy = group.cycle - group.idle
+        own = group.work / busy if busy > 0 else 0.0
         server = self.server_load if group.holds_shard else 0.0
         return min(group.cap, own + server) if group.cap < 1.0 else own + server
 
@@ -331,18 +335,22 @@ class _Model:
             transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
             exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
                                       values["bucket_mb"] * MIB)
-            path = compute * (1 + c.compute_spread * expected_max(n)) + loop
+            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
+            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
+            idle = c.compute_s * c.compute_spread * expected_max(n)
+            path = compute + loop
         else:
             steps = values["period"]
             transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
             # Over a period the steps' spread averages out as 1/sqrt(period).
-            path = steps * (compute * (1 + c.compute_spread * expected_max(n) / math.sqrt(steps)) + loop)
+            idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
+            path = steps * (compute + loop)
             exposed = max(0.0, transfer - path) if values["overlap"] else transfer
-        cycle = path + exposed
+        cycle = path + exposed + idle
         copies = payload / c.host_rate
         step_work = c.compute_s + c.step_overhead_s
         for group in self.classes:
-            group.steps, group.cycle = steps, cycle
+            group.steps, group.cycle, group.idle = steps, cycle, idle
             group.exposed = cycle - steps * step_work / group.speed
             group.work = steps * step_work + copies
 
