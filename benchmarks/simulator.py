@@ -107,7 +107,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
     conditions = rates + ([] if arguments.no_straggler else [STRAGGLER])
     configs = [c for c in CONFIGS if not arguments.quick or c[0] in QUICK["configs"]]
     scratch = Path(tempfile.mkdtemp(prefix="workbench-simulator-"))
-    points: list[dict[str, Any]] = []
+    cells: list[dict[str, Any]] = []
     calibration_runs: dict[str, Any] = {}
     started = time.time()
     try:
@@ -137,30 +137,65 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                         print(f"calibration run: {name}, 2 worker hosts, unlimited: "
                               f"{record['samples_per_s']:,.0f} samples/s, {len(kept.inside)} step records",
                               flush=True)
-                for condition in conditions:
-                    for name, strategy, settings in configs:
-                        bench.condition = condition
-                        set_condition(lab, condition)
-                        record = network.measured(lambda s=strategy, k=settings: measure_cell(bench, kept, s, k),
-                                                  config=name, strategy=strategy, settings=settings,
-                                                  condition=condition, workers=size)
-                        points.append(record)
-                        shown = record.get("error") or (f"{record['samples_per_s']:,.0f} samples/s, staleness "
-                                                        f"{network._fmt(record.get('staleness_mean'), 2)}")
-                        print(f"{size} workers {condition:>9} {name:<12} {shown}  "
-                              f"[load {record['loadavg_before'][0]:.1f}, {record['cell_s']:.0f} s]", flush=True)
+                for repeat in range(arguments.repeats):
+                    # Interleaved: every other repetition runs the conditions and configurations backwards.
+                    forward = repeat % 2 == 0
+                    for condition in conditions if forward else conditions[::-1]:
+                        for name, strategy, settings in configs if forward else configs[::-1]:
+                            bench.condition = condition
+                            set_condition(lab, condition)
+                            record = network.measured(
+                                lambda s=strategy, k=settings: measure_cell(bench, kept, s, k), config=name,
+                                strategy=strategy, settings=settings, condition=condition, workers=size,
+                                repeat=repeat)
+                            cells.append(record)
+                            shown = record.get("error") or (
+                                f"{record['samples_per_s']:,.0f} samples/s, staleness "
+                                f"{network._fmt(record.get('staleness_mean'), 2)}")
+                            print(f"repeat {repeat + 1} {size} workers {condition:>9} {name:<12} {shown}  "
+                                  f"[load {record['loadavg_before'][0]:.1f}, {record['cell_s']:.0f} s]", flush=True)
                 set_condition(lab, "unlimited")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"date": datetime.date.today().isoformat(), "machine": network.machine(),
-            "settings": {"hosts": hosts, "conditions": conditions, "window_s": arguments.window_s,
+            "settings": {"hosts": hosts, "conditions": conditions, "repeats": arguments.repeats,
+                         "window_s": arguments.window_s,
                          "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
                          "max_window_s": arguments.max_window_s, "straggler": f"the last worker host at "
                          f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
                          "model": "MLP 784-1024-1024-10", "quick": arguments.quick,
                          "calibration_runs": "2 worker hosts, unlimited link"},
             "measured_minutes": round((time.time() - started) / 60, 1),
-            "calibration_runs": calibration_runs, "points": points}
+            "calibration_runs": calibration_runs, "cells": cells}
+
+
+def median_points(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (workers, condition, configuration): the median of its repetitions' throughput and
+    staleness (a failed repetition is left out; a point all of whose repetitions failed keeps an error)."""
+    points: dict[tuple, dict[str, Any]] = {}
+    for cell in cells:
+        key = (cell["workers"], cell["condition"], cell["config"])
+        points.setdefault(key, {k: cell[k] for k in ("workers", "condition", "config", "strategy", "settings")})
+        points[key].setdefault("cells", []).append(cell)
+    for point in points.values():
+        good = [c for c in point.pop("cells") if "error" not in c]
+        if not good:
+            point["error"] = "every repetition failed"
+            continue
+        point["runs"] = [round(c["samples_per_s"]) for c in good]
+        point["samples_per_s"] = statistics.median(c["samples_per_s"] for c in good)
+        stale = [c["staleness_mean"] for c in good if c.get("staleness_mean") is not None]
+        if stale:
+            point["staleness_mean"] = statistics.median(stale)
+        split = [c["time_split"] for c in good if c.get("time_split")]
+        if split:
+            point["time_split"] = {k: statistics.median(s[k] for s in split) for k in split[0]}
+        point["loadavg_before"] = [max(c["loadavg_before"][0] for c in good)]
+        # How long each run had trained when its window ended (SSP's bound takes time to bind).
+        ends = [c["start_s"] + max(c["span_s"].values()) for c in good if c.get("span_s")]
+        if ends:
+            point["window_end_s"] = statistics.median(ends)
+    return list(points.values())
 
 
 def _plain_records(frame: Any) -> list[dict[str, Any]]:
@@ -189,7 +224,8 @@ def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, A
     calibration = simulate.calibrate(run["records"], model_bytes=MODEL_BYTES, link_rate=None, workers=2,
                                      cores=document["machine"]["cores"])
     rows = []
-    for point in document["points"]:
+    points = median_points(document["cells"]) if "cells" in document else document["points"]
+    for point in points:
         if "error" in point:
             rows.append({k: point[k] for k in ("config", "condition", "workers", "error")})
             continue
@@ -285,6 +321,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--hosts", default="2,3,4", help="worker hosts of each lab, comma-separated")
     parser.add_argument("--rates", default=",".join(RATES), help="link rates, comma-separated (tc rates)")
     parser.add_argument("--no-straggler", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the grid (interleaved; medians)")
     parser.add_argument("--window-s", type=float, default=3.0, help="steady seconds measured per cell")
     parser.add_argument("--max-window-s", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=1.5)
@@ -300,6 +337,7 @@ def parse_arguments() -> argparse.Namespace:
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.hosts, arguments.rates, arguments.no_straggler = QUICK["hosts"], QUICK["rates"], True
+        arguments.repeats = 1
     return arguments
 
 

@@ -61,6 +61,10 @@ class Calibration:
     """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
     server_apply_s: float = 0.0
     """The server's CPU time to apply one push, beyond moving its bytes (measured 0 unless known)."""
+    process_cores: float = 1.0
+    """The most one worker's interpreter uses: its training thread, and Dask's comm and the shard's actor
+    share one Python process (on the lab the worker holding the shard did its own steps and served every
+    push within one core); gloo's collectives copy in threads of their own, outside it."""
     link_efficiency: float = 1448 / 1514
     """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
     1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
@@ -224,7 +228,7 @@ SERVER_STRATEGIES = ("async", "ssp", "easgd")
 
 @dataclasses.dataclass
 class _Class:
-    """Identical workers: how many, their host's CPU cap, whether each holds a server shard."""
+    """Identical workers: how many, their host's CPU cap (cores, all threads), whether each holds a shard."""
 
     count: int
     cap: float
@@ -251,46 +255,64 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
     values = {**DEFAULTS[strategy], **(settings or {})}
     link = math.inf if link_rate is None else link_rate * calibration.link_efficiency
     shards = min(values.get("shards", 0), workers) if strategy in SERVER_STRATEGIES else 0
-    classes = _classes(workers, shards, straggler)
+    # A host's cap on all its processes' threads: its own cores on real hosts; none beyond the shared
+    # pool on the lab, but the straggler's cgroup quota.
+    classes = _classes(workers, shards, straggler, host_cores if cores is None else math.inf)
     model = _Model(calibration, strategy, values, workers, link, shards, classes)
-    if cores is None:
-        # A host each: its worker (and the shard it holds) on its own cores.
-        for _ in range(30):
-            for group in classes:
-                _fit_speed([group], host_cores, model, per_host=True)
-    else:
-        _fit_speed(classes, cores, model, per_host=False)
+    _fit_speeds(model, cores, min(calibration.process_cores, host_cores))
     model.evaluate()
     return model.prediction()
 
 
-def _classes(workers: int, shards: int, straggler: float | None) -> list[_Class]:
+def _classes(workers: int, shards: int, straggler: float | None, host_cap: float) -> list[_Class]:
     slow = 1 if straggler is not None and workers > 1 else 0
     normal = workers - slow
     holders = min(shards, normal)
-    groups = [_Class(holders, 1.0, True), _Class(normal - holders, 1.0, False)]
+    groups = [_Class(holders, host_cap, True), _Class(normal - holders, host_cap, False)]
     if slow:
-        groups.append(_Class(1, min(1.0, straggler), shards > normal))
+        groups.append(_Class(1, min(host_cap, straggler), shards > normal))
     return [group for group in groups if group.count > 0]
 
 
-def _fit_speed(groups: list[_Class], cores: float, model: _Model, per_host: bool) -> None:
-    """The largest common speed (<= 1, each group also <= its cap) at which the groups' CPU demand fits
-    `cores` (per host of each group when `per_host`), by bisection."""
+def _fit_speeds(model: _Model, cores: float | None, process_cores: float) -> None:
+    """Each class's CPU speed (<= 1): the largest at which one of its processes (with the shard it holds)
+    wants no more than `process_cores` nor its host's cap, and, when all hosts share `cores`, at which
+    every process together wants no more than those; bisections, repeated until they agree."""
+    groups = model.classes
 
-    def demand(speed: float) -> float:
-        for group in groups:
-            group.speed = min(speed, group.cap)
+    def fits_alone(group: _Class, speed: float) -> bool:
+        group.speed = speed
         model.evaluate()
-        return max(model.demand(g) for g in groups) if per_host else sum(model.demand(g) * g.count for g in groups)
+        return (model.demand(group) <= group.cap * (1 + 1e-9)
+                and model.interpreter_demand(group) <= process_cores * (1 + 1e-9))
 
-    if demand(1.0) <= cores:
-        return
-    low, high = 1e-3, 1.0
+    def fits_together(level: float, limits: list[float]) -> bool:
+        for group, limit in zip(groups, limits):
+            group.speed = min(limit, level)
+        model.evaluate()
+        return sum(model.demand(g) * g.count for g in groups) <= cores * (1 + 1e-9)
+
+    for _ in range(8):
+        limits = []
+        for group in groups:
+            limits.append(_largest(lambda speed: fits_alone(group, speed)))
+            group.speed = limits[-1]
+        if cores is not None:
+            level = _largest(lambda level: fits_together(level, limits))
+            for group, limit in zip(groups, limits):
+                group.speed = min(limit, level)
+
+
+def _largest(fits: Any) -> float:
+    """The largest speed in (0, 1] for which `fits(speed)` holds (it holds below some threshold)."""
+    if fits(1.0):
+        return 1.0
+    low, high = 1e-4, 1.0
     for _ in range(40):
         middle = (low + high) / 2
-        low, high = (middle, high) if demand(middle) <= cores else (low, middle)
-    demand(low)
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    fits(low)
+    return low
 
 
 class _Model:
@@ -310,11 +332,19 @@ class _Model:
             self._synchronous()
 
     def demand(self, group: _Class) -> float:
-        """Cores one worker of `group` wants (its shard's service included), at most its cap."""
+        """Cores one worker's process of `group` wants (its shard's service included)."""
         busy = group.cycle - group.idle
         own = group.work / busy if busy > 0 else 0.0
         server = self.server_load if group.holds_shard else 0.0
-        return min(group.cap, own + server) if group.cap < 1.0 else own + server
+        return own + server
+
+    def interpreter_demand(self, group: _Class) -> float:
+        """Cores one worker's interpreter wants: its training thread, and for the parameter server Dask's
+        comm and the shard's actor too (Python, sharing one interpreter); gloo's copies run outside it."""
+        if self.strategy in SERVER_STRATEGIES:
+            return self.demand(group)
+        busy = group.cycle - group.idle
+        return group.steps * (self.c.compute_s + self.c.step_overhead_s) / busy if busy > 0 else 0.0
 
     def _transfer(self, payload: float, speed: float) -> float:
         """A message moved at the slower of the wire and the copies (they overlap for large messages)."""
@@ -378,7 +408,9 @@ class _Model:
             group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
-        crossing = (self.n - 1) * max(push, reply) / shards / self.link
+        # Pushes in and replies out take turns on it rather than overlapping: on the lab a loaded shaper
+        # queues each direction's acknowledgements behind the other's data.
+        crossing = (self.n - 1) * (push + reply) / shards / self.link
         for group in self.classes:
             if not group.holds_shard or shards > 1:
                 group.cycle = max(group.cycle, crossing)
