@@ -191,10 +191,10 @@ def median_points(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if split:
             point["time_split"] = {k: statistics.median(s[k] for s in split) for k in split[0]}
         point["loadavg_before"] = [max(c["loadavg_before"][0] for c in good)]
-        # How long each run had trained when its window ended (SSP's bound takes time to bind).
-        ends = [c["start_s"] + max(c["span_s"].values()) for c in good if c.get("span_s")]
-        if ends:
-            point["window_end_s"] = statistics.median(ends)
+        # How long each run had trained at the middle of its window (SSP's bound takes time to bind).
+        middles = [c["start_s"] + max(c["span_s"].values()) / 2 for c in good if c.get("span_s")]
+        if middles:
+            point["window_middle_s"] = statistics.median(middles)
     return list(points.values())
 
 
@@ -233,7 +233,8 @@ def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, A
         link = None if condition in ("unlimited", STRAGGLER) else _rate(condition)
         straggler = STRAGGLER_SHARE if condition == STRAGGLER else None
         predicted = simulate.predict(calibration, point["strategy"], point["settings"], point["workers"], link,
-                                     straggler=straggler, cores=document["machine"]["cores"])
+                                     straggler=straggler, cores=document["machine"]["cores"],
+                                     elapsed_s=point.get("window_middle_s"))
         row = {"config": point["config"], "strategy": point["strategy"], "condition": condition,
                "workers": point["workers"], "measured_samples_per_s": point["samples_per_s"],
                "predicted_samples_per_s": predicted.samples_per_s,

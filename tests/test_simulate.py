@@ -222,3 +222,15 @@ def test_1024_workers_predict_quickly_and_finitely():
         got = predict(cal, strategy, settings, 1024, 125e6)
         assert math.isfinite(got.samples_per_s) and got.samples_per_s > 0
         assert 0 <= got.comm_share <= 1
+
+
+def test_ssp_holds_the_faster_workers_only_once_the_gap_reached_its_bound():
+    # 100 Mbit/s: the remote worker pushes about once a second, the one beside the server every 80 ms:
+    # a gap of 8 clocks takes well under 2 s to build, but not 0.1 s.
+    cal = calibration()
+    early = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=0.1)
+    late = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=30.0)
+    free = predict(cal, "async", {"push_every": 4}, 2, 12.5e6)
+    assert early.samples_per_s == pytest.approx(free.samples_per_s)
+    assert late.samples_per_s == pytest.approx(predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6).samples_per_s)
+    assert late.samples_per_s < free.samples_per_s / 3

@@ -244,10 +244,13 @@ class _Class:
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
             link_rate: float | None = None, straggler: float | None = None, cores: float | None = None,
-            host_cores: float = 2.0) -> Prediction:
+            host_cores: float = 2.0, elapsed_s: float | None = None) -> Prediction:
     """Predicted steady state of `strategy` with `settings` on `workers` workers (one per host) whose
     links run at `link_rate` bytes/s (None: unlimited). `straggler`: one host (the last) capped at that
-    many cores. `cores`: all hosts share that many cores (the lab); None: each host has `host_cores`."""
+    many cores. `cores`: all hosts share that many cores (the lab); None: each host has `host_cores`.
+    `elapsed_s`: how long the run has trained (None: long enough for every steady state); SSP's gap
+    grows at the difference of the workers' push rates and holds the faster ones only once it reaches
+    the bound."""
     if strategy not in DEFAULTS:
         raise ValueError(f"strategy={strategy!r} is not allowed: expected one of {sorted(DEFAULTS)}")
     if not isinstance(workers, int) or workers < 1:
@@ -259,6 +262,7 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
     # pool on the lab, but the straggler's cgroup quota.
     classes = _classes(workers, shards, straggler, host_cores if cores is None else math.inf)
     model = _Model(calibration, strategy, values, workers, link, shards, classes)
+    model.elapsed_s = elapsed_s
     _fit_speeds(model, cores, min(calibration.process_cores, host_cores))
     model.evaluate()
     return model.prediction()
@@ -323,6 +327,7 @@ class _Model:
         self.c, self.strategy, self.values, self.n = calibration, strategy, values, workers
         self.link, self.shards, self.classes = link, shards, classes
         self.staleness: float | None = None
+        self.elapsed_s: float | None = None
         self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
 
     def evaluate(self) -> None:
@@ -427,7 +432,11 @@ class _Model:
         groups = self.classes
         slowest = max(g.cycle for g in groups)
         fastest = min(g.cycle for g in groups)
-        if self.strategy == "ssp" and fastest < slowest * (1 - SSP_THROTTLE_TOLERANCE):
+        bound_reached = True
+        if self.strategy == "ssp" and self.elapsed_s is not None and fastest < slowest:
+            # Clocks apart after elapsed_s: the fastest worker's windows less the slowest one's.
+            bound_reached = self.elapsed_s * (1 / fastest - 1 / slowest) > self.values["max_staleness"]
+        if self.strategy == "ssp" and bound_reached and fastest < slowest * (1 - SSP_THROTTLE_TOLERANCE):
             # The gap grows without end, so in steady state every faster worker sits at the bound, released
             # together by the slowest one's push; each refetches after its wait (no version missed then,
             # but those released with it), and the slowest sees one push of every other per cycle.
