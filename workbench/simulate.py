@@ -17,12 +17,21 @@ for large messages, so a transfer takes the longer of the two.
 CPU is a budget per pool of cores: on the lab every emulated host shares the machine's cores (one pool
 of `cores`); on real machines (`cores=None`) each host has `host_cores` of its own. Every runnable
 process in a pool progresses at the same speed, found so that the pool's demand fits its cores. That is
-the assumption that makes a lab of N hosts on 2 cores predictable: compute time scales with 1/speed.
+the assumption that makes a lab of N hosts on 2 cores predictable: compute time scales with 1/speed
+(with 4 workers on 2 cores, each computes at half speed). A host's cap (the lab's straggler: a cgroup
+quota; a real host's own cores) holds all its threads, the shard's actor and the copies included.
+Calibration undoes the same sharing: on shared cores the calibration run's backward shared each
+worker's core with the all-reduce's copies, so its measured compute holds some copying.
+
+What it leaves out: start-up, convergence (staler or rarer exchanges may need more steps to the same
+accuracy), compression's CPU cost, per-message latency beyond `latency_s`, and what more processes than
+cores cost beyond sharing them (context switches, caches).
 
 Staleness (versions a push did not see) follows from the push rates: between a worker's fetch and its
 next push every other worker pushes at its own rate, so with equal workers it is N-1 per push (and the
 push-weighted mean is N-1 whatever the rates); SSP throttles the faster workers to the slowest one's
-clock once their gap reaches the bound, and they fetch fresh weights after each wait.
+clock once their gap, growing at the difference of their push rates, reaches the bound, and they fetch
+fresh weights after each wait.
 """
 from __future__ import annotations
 
@@ -61,10 +70,6 @@ class Calibration:
     """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
     server_apply_s: float = 0.0
     """The server's CPU time to apply one push, beyond moving its bytes (measured 0 unless known)."""
-    process_cores: float = 1.0
-    """The most one worker's interpreter uses: its training thread, and Dask's comm and the shard's actor
-    share one Python process (on the lab the worker holding the shard did its own steps and served every
-    push within one core); gloo's collectives copy in threads of their own, outside it."""
     link_efficiency: float = 1448 / 1514
     """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
     1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
@@ -263,7 +268,7 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
     classes = _classes(workers, shards, straggler, host_cores if cores is None else math.inf)
     model = _Model(calibration, strategy, values, workers, link, shards, classes)
     model.elapsed_s = elapsed_s
-    _fit_speeds(model, cores, min(calibration.process_cores, host_cores))
+    _fit_speeds(model, cores)
     model.evaluate()
     return model.prediction()
 
@@ -278,17 +283,16 @@ def _classes(workers: int, shards: int, straggler: float | None, host_cap: float
     return [group for group in groups if group.count > 0]
 
 
-def _fit_speeds(model: _Model, cores: float | None, process_cores: float) -> None:
+def _fit_speeds(model: _Model, cores: float | None) -> None:
     """Each class's CPU speed (<= 1): the largest at which one of its processes (with the shard it holds)
-    wants no more than `process_cores` nor its host's cap, and, when all hosts share `cores`, at which
-    every process together wants no more than those; bisections, repeated until they agree."""
+    wants no more than its host's cap, and, when all hosts share `cores`, at which every process together
+    wants no more than those; bisections, repeated until they agree."""
     groups = model.classes
 
     def fits_alone(group: _Class, speed: float) -> bool:
         group.speed = speed
         model.evaluate()
-        return (model.demand(group) <= group.cap * (1 + 1e-9)
-                and model.interpreter_demand(group) <= process_cores * (1 + 1e-9))
+        return model.demand(group) <= group.cap * (1 + 1e-9)
 
     def fits_together(level: float, limits: list[float]) -> bool:
         for group, limit in zip(groups, limits):
@@ -342,14 +346,6 @@ class _Model:
         own = group.work / busy if busy > 0 else 0.0
         server = self.server_load if group.holds_shard else 0.0
         return own + server
-
-    def interpreter_demand(self, group: _Class) -> float:
-        """Cores one worker's interpreter wants: its training thread, and for the parameter server Dask's
-        comm and the shard's actor too (Python, sharing one interpreter); gloo's copies run outside it."""
-        if self.strategy in SERVER_STRATEGIES:
-            return self.demand(group)
-        busy = group.cycle - group.idle
-        return group.steps * (self.c.compute_s + self.c.step_overhead_s) / busy if busy > 0 else 0.0
 
     def _transfer(self, payload: float, speed: float) -> float:
         """A message moved at the slower of the wire and the copies (they overlap for large messages)."""
