@@ -68,7 +68,7 @@ def test_average_pays_one_blocking_exchange_per_period_and_overlap_hides_it():
 
 @pytest.mark.parametrize("workers", [2, 3, 4, 8, 32])
 def test_async_staleness_with_push_every_1_is_about_workers_minus_1(workers):
-    got = predict(calibration(), "async", {"push_every": 1, "shards": workers}, workers, None)
+    got = predict(calibration(), "async", {"push_every": 1}, workers, None)
     assert got.staleness == pytest.approx(workers - 1, abs=0.05)
 
 
