@@ -7,16 +7,19 @@ client, every other host one `dask worker`; all hosts share the machine's cores.
 benchmark's (MLP 784-1024-1024-10, synthetic data, batch 128 per worker, SGD lr 0.01). Each cell is a
 time-boxed run measured as `benchmarks/network.py` does (`Cells.workbench`: warm-up under the condition,
 then a window of `--window-s` seconds or two exchange cycles of every worker; throughput from the step
-records covering the window); mean staleness is taken over the window's pushes.
+records covering the window); mean staleness is taken over the window's pushes. The grid runs
+`--repeats` times, interleaved (every other repetition backwards); points are medians.
 
 The simulator is calibrated from ONE run measured the same way before the grid (by default allreduce,
-2 worker hosts, unlimited link; `--calibrate-with`) and sees nothing of the grid. The JSON under
+2 worker hosts, unlimited link; `--calibrate-with`) and sees nothing of the grid's results (only how
+long each cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
 `benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
 so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
 the document then says `predicted_again`).
 
     python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler]
-                                   [--window-s 3] [--quick] [--from benchmarks/results/simulator-....json]
+                                   [--repeats 2] [--window-s 3] [--quick] [--calibrate-with 'average p4']
+                                   [--from benchmarks/results/simulator-....json]
 """
 from __future__ import annotations
 
@@ -284,7 +287,8 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         print(f"{row['config']:<13}{row['workers']:>8}{row['condition']:>11}{row['measured_samples_per_s']:>10,.0f}"
               f"{row['predicted_samples_per_s']:>10,.0f}{row['throughput_error']:>7.0%}"
-              f"{network._fmt(row.get('measured_staleness'), 2):>9}{network._fmt(row.get('predicted_staleness'), 2):>9}")
+              f"{network._fmt(row.get('measured_staleness'), 2):>9}"
+              f"{network._fmt(row.get('predicted_staleness'), 2):>9}")
     print(f"\nmax throughput error {result['max_throughput_error']:.1%} ({result['max_throughput_error_at']}), "
           f"median {result['median_throughput_error']:.1%}, within 15%: {result['points_within_15pct']}; "
           f"max staleness error {network._fmt(result['max_staleness_error'], 2)} ({result['max_staleness_error_at']})")
