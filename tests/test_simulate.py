@@ -178,6 +178,8 @@ def test_calibration_recovers_the_values_synthetic_records_were_made_from(cores)
     assert got.compute_spread == pytest.approx(truth.compute_spread, rel=0.15)
     assert got.host_rate == pytest.approx(truth.host_rate, rel=0.05)
     assert got.samples_per_step == 128
+    # The model's size is also read from what the ring sent per worker.
+    assert calibrate(records, workers=2, cores=cores).model_bytes == pytest.approx(MODEL_BYTES)
     # And the calibrated model predicts the run it was calibrated from.
     again = predict(got, "allreduce", {}, 2, None, cores=cores).samples_per_s
     assert again == pytest.approx(samples_per_s, rel=0.05)

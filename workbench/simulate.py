@@ -97,11 +97,12 @@ class Prediction:
 # --- calibration ---------------------------------------------------------------------------------------------
 
 
-def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rate: float | None = None,
+def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = None, link_rate: float | None = None,
               workers: int | None = None, cores: float | None = None, bucket_mb: float = 4.0,
               **known: Any) -> Calibration:
     """A Calibration from the step records of one `allreduce` or `average` run (dicts with `worker`,
-    `compute_s`, `comm_s`, `samples`, `bytes_sent`, `strategy`), its float32 model size in bytes, its
+    `compute_s`, `comm_s`, `samples`, `bytes_sent`, `strategy`), its float32 model size in bytes (None:
+    read from the float32 exchanges' `bytes_sent`, what a ring all-reduce sends per worker), its
     link rate in bytes/s (None: unlimited), its worker count (default: the ranks in the records) and the
     cores those workers shared (None: a host each). `known` sets other fields (latency_s, ...)."""
     records = [r for r in records if r.get("compute_s") is not None]
@@ -111,6 +112,11 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float, link_rat
     ranks = sorted({r.get("worker", 0) for r in records})
     n = workers or len(ranks)
     batch = int(statistics.median(r.get("samples", 128) for r in records))
+    if model_bytes is None:
+        sent = [r["bytes_sent"] for r in records if r.get("bytes_sent")]
+        if not sent or n < 2:
+            raise ValueError("model_bytes=None needs the bytes_sent of a run of 2 or more workers: pass model_bytes")
+        model_bytes = statistics.median(sent) * n / (2 * (n - 1))
     spread = _spread(records, ranks)
     efficiency = known.get("link_efficiency", Calibration.__dataclass_fields__["link_efficiency"].default)
     link = math.inf if link_rate is None else link_rate * efficiency
