@@ -25,6 +25,7 @@ EXPECTED_OUTPUT = {
     # Emulated hosts need root and iproute2: without them the notebook says why and skips its lab cells.
     "07-slow-network": (["keeps", "of its 1gbit throughput at 100mbit", "application/vnd.jupyter.widget-view+json"]
                         if labs.available() is None else ["No emulated hosts here"]),
+    "08-capacity-planning": ["calibration", "measured lab points from", "max throughput error", "image/png"],
 }
 
 

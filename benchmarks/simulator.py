@@ -1,0 +1,372 @@
+"""The simulator (`workbench/simulate.py`) against the lab: calibrated from one short real run, its
+predictions for every strategy at 2, 3 and 4 emulated worker hosts, three link rates and a straggler,
+beside what the lab measures.
+
+Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
+client, every other host one `dask worker`; all hosts share the machine's cores. The job is the network
+benchmark's (MLP 784-1024-1024-10, synthetic data, batch 128 per worker, SGD lr 0.01). Each cell is a
+time-boxed run measured as `benchmarks/network.py` does (`Cells.workbench`: warm-up under the condition,
+then a window of `--window-s` seconds or two exchange cycles of every worker; throughput from the step
+records covering the window); mean staleness is taken over the window's pushes. The grid runs
+`--repeats` times, interleaved (every other repetition backwards); points are medians.
+
+The simulator is calibrated from ONE run measured the same way before the grid (by default allreduce,
+2 worker hosts, unlimited link; `--calibrate-with`) and sees nothing of the grid's results (only how
+long each cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
+`benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
+so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
+the document then says `predicted_again`).
+
+    python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler]
+                                   [--repeats 2] [--window-s 3] [--quick] [--calibrate-with 'average p4']
+                                   [--from benchmarks/results/simulator-....json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # the network benchmark's measuring code, beside this file
+
+import network  # noqa: E402
+
+RESULTS = HERE.parent / "results"
+STRAGGLER = "straggler"  # the condition's name: the last worker host at STRAGGLER_SHARE of a core
+STRAGGLER_SHARE = 0.5
+RATES = ("unlimited", "1gbit", "100mbit")
+# One configuration per strategy, the network benchmark's plain forms.
+CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("allreduce", "allreduce", {}),
+    ("average p16", "average", {"period": 16}),
+    ("async p4", "async", {"push_every": 4}),
+    ("ssp p4", "ssp", {"push_every": 4}),
+    ("easgd p16", "easgd", {"period": 16}),
+]
+# Short runs measured before the grid, on 2 worker hosts at the unlimited link; the simulator is
+# calibrated from one of them (the first unless --calibrate-with).
+CALIBRATION_RUNS: list[tuple[str, str, dict[str, Any]]] = [
+    ("allreduce", "allreduce", {}),
+    ("average p4", "average", {"period": 4}),
+]
+QUICK = {"hosts": "2", "rates": "unlimited,100mbit", "configs": ("allreduce", "async p4")}
+
+
+# --- measuring -----------------------------------------------------------------------------------------------
+
+
+class _Kept:
+    """Wraps `network.window_steps` to keep the step records of the last window it counted."""
+
+    def __init__(self) -> None:
+        self.original = network.window_steps
+        self.inside: Any = None
+        network.window_steps = self
+
+    def __call__(self, frame: Any, started: float, ended: float) -> Any:
+        rates, inside = self.original(frame, started, ended)
+        self.inside = inside
+        return rates, inside
+
+
+def set_condition(lab: Any, condition: str) -> None:
+    last = lab.size - 1
+    for host in range(1, lab.size):
+        lab.set_cpu(host, STRAGGLER_SHARE if condition == STRAGGLER and host == last else None)
+    lab.set_rate(None if condition in ("unlimited", STRAGGLER) else condition)
+
+
+def measure_cell(bench: Any, kept: _Kept, strategy: str, settings: dict[str, Any]) -> dict[str, Any]:
+    record = bench.workbench(strategy, settings)
+    if "error" in record:
+        return record
+    inside = kept.inside
+    if "staleness" in inside:
+        values = inside["staleness"].dropna()
+        if len(values):
+            record["staleness_mean"] = float(values.mean())
+    record["records"] = len(inside)
+    return record
+
+
+def measure(arguments: argparse.Namespace) -> dict[str, Any]:
+    from workbench import lab as labs
+
+    reason = labs.available()
+    if reason:
+        sys.exit(f"benchmarks/simulator.py needs the emulated-host lab: {reason}")
+    kept = _Kept()
+    hosts = [int(h) for h in arguments.hosts.split(",")]
+    rates = [r.strip() for r in arguments.rates.split(",") if r.strip()]
+    conditions = rates + ([] if arguments.no_straggler else [STRAGGLER])
+    configs = [c for c in CONFIGS if not arguments.quick or c[0] in QUICK["configs"]]
+    scratch = Path(tempfile.mkdtemp(prefix="workbench-simulator-"))
+    cells: list[dict[str, Any]] = []
+    calibration_runs: dict[str, Any] = {}
+    started = time.time()
+    try:
+        for size in hosts:
+            with labs.Lab(hosts=size + 1) as lab:
+                lab.start_cluster()
+                client = lab.connect(workers=size)
+                bench = network.Cells(lab, client, arguments, scratch)
+                # Every host's condition is set by this script's set_condition, not network.py's (which
+                # knows two worker hosts only): the Cells call network.set_condition, so point it here.
+                network.set_condition = set_condition
+                if size == 2 and not calibration_runs:
+                    # Candidate calibration runs, each alone enough to calibrate from; the predictions use
+                    # one of them (--calibrate-with), the others are kept to compare calibrations.
+                    bench.condition = "unlimited"
+                    for name, strategy, settings in CALIBRATION_RUNS:
+                        set_condition(lab, "unlimited")
+                        record = network.measured(lambda s=strategy, k=settings: measure_cell(bench, kept, s, k),
+                                                  config=name, condition="unlimited", workers=size)
+                        if "error" in record:
+                            print(f"calibration run {name} failed: {record['error']}", flush=True)
+                            continue
+                        calibration_runs[name] = {"strategy": strategy, "settings": settings,
+                                                  "records": _plain_records(kept.inside),
+                                                  "samples_per_s": record["samples_per_s"],
+                                                  "loadavg_before": record["loadavg_before"]}
+                        print(f"calibration run: {name}, 2 worker hosts, unlimited: "
+                              f"{record['samples_per_s']:,.0f} samples/s, {len(kept.inside)} step records",
+                              flush=True)
+                for repeat in range(arguments.repeats):
+                    # Interleaved: every other repetition runs the conditions and configurations backwards.
+                    forward = repeat % 2 == 0
+                    for condition in conditions if forward else conditions[::-1]:
+                        for name, strategy, settings in configs if forward else configs[::-1]:
+                            bench.condition = condition
+                            set_condition(lab, condition)
+                            record = network.measured(
+                                lambda s=strategy, k=settings: measure_cell(bench, kept, s, k), config=name,
+                                strategy=strategy, settings=settings, condition=condition, workers=size,
+                                repeat=repeat)
+                            cells.append(record)
+                            shown = record.get("error") or (
+                                f"{record['samples_per_s']:,.0f} samples/s, staleness "
+                                f"{network._fmt(record.get('staleness_mean'), 2)}")
+                            print(f"repeat {repeat + 1} {size} workers {condition:>9} {name:<12} {shown}  "
+                                  f"[load {record['loadavg_before'][0]:.1f}, {record['cell_s']:.0f} s]", flush=True)
+                set_condition(lab, "unlimited")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"date": datetime.date.today().isoformat(), "machine": network.machine(),
+            "settings": {"hosts": hosts, "conditions": conditions, "repeats": arguments.repeats,
+                         "window_s": arguments.window_s,
+                         "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
+                         "max_window_s": arguments.max_window_s, "straggler": f"the last worker host at "
+                         f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
+                         "model": "MLP 784-1024-1024-10", "quick": arguments.quick,
+                         "calibration_runs": "2 worker hosts, unlimited link"},
+            "measured_minutes": round((time.time() - started) / 60, 1),
+            "calibration_runs": calibration_runs, "cells": cells}
+
+
+def median_points(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (workers, condition, configuration): the median of its repetitions' throughput and
+    staleness (a failed repetition is left out; a point all of whose repetitions failed keeps an error)."""
+    points: dict[tuple, dict[str, Any]] = {}
+    for cell in cells:
+        key = (cell["workers"], cell["condition"], cell["config"])
+        points.setdefault(key, {k: cell[k] for k in ("workers", "condition", "config", "strategy", "settings")})
+        points[key].setdefault("cells", []).append(cell)
+    for point in points.values():
+        good = [c for c in point.pop("cells") if "error" not in c]
+        if not good:
+            point["error"] = "every repetition failed"
+            continue
+        point["runs"] = [round(c["samples_per_s"]) for c in good]
+        point["samples_per_s"] = statistics.median(c["samples_per_s"] for c in good)
+        stale = [c["staleness_mean"] for c in good if c.get("staleness_mean") is not None]
+        if stale:
+            point["staleness_mean"] = statistics.median(stale)
+        split = [c["time_split"] for c in good if c.get("time_split")]
+        if split:
+            point["time_split"] = {k: statistics.median(s[k] for s in split) for k in split[0]}
+        point["loadavg_before"] = [max(c["loadavg_before"][0] for c in good)]
+        # How long each run had trained at the middle of its window (SSP's bound takes time to bind).
+        middles = [c["start_s"] + max(c["span_s"].values()) / 2 for c in good if c.get("span_s")]
+        if middles:
+            point["window_middle_s"] = statistics.median(middles)
+    return list(points.values())
+
+
+def _plain_records(frame: Any) -> list[dict[str, Any]]:
+    """Step records as JSON-ready dicts: Python numbers, no missing fields (NaN where a strategy has none)."""
+    records = []
+    for record in frame.to_dict("records"):
+        plain = {}
+        for key, value in record.items():
+            if hasattr(value, "item"):
+                value = value.item()
+            if value is None or (isinstance(value, float) and value != value):
+                continue
+            plain[key] = value
+        records.append(plain)
+    return records
+
+
+# --- predicting -----------------------------------------------------------------------------------------------
+
+
+def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, Any]:
+    """Calibrate from the document's calibration records, predict every measured point, and the errors."""
+    from workbench import simulate
+
+    run = document["calibration_runs"][calibrate_with]
+    calibration = simulate.calibrate(run["records"], model_bytes=MODEL_BYTES, link_rate=None, workers=2,
+                                     cores=document["machine"]["cores"])
+    rows = []
+    points = median_points(document["cells"]) if "cells" in document else document["points"]
+    for point in points:
+        if "error" in point:
+            rows.append({k: point[k] for k in ("config", "condition", "workers", "error")})
+            continue
+        condition = point["condition"]
+        link = None if condition in ("unlimited", STRAGGLER) else _rate(condition)
+        straggler = STRAGGLER_SHARE if condition == STRAGGLER else None
+        predicted = simulate.predict(calibration, point["strategy"], point["settings"], point["workers"], link,
+                                     straggler=straggler, cores=document["machine"]["cores"],
+                                     elapsed_s=point.get("window_middle_s"))
+        row = {"config": point["config"], "strategy": point["strategy"], "condition": condition,
+               "workers": point["workers"], "measured_samples_per_s": point["samples_per_s"],
+               "predicted_samples_per_s": predicted.samples_per_s,
+               "throughput_error": abs(predicted.samples_per_s - point["samples_per_s"]) / point["samples_per_s"],
+               "predicted_comm_share": predicted.comm_share,
+               "measured_comm_share": point.get("time_split", {}).get("comm"),
+               "loadavg_1min": point["loadavg_before"][0]}
+        if predicted.staleness is not None or point.get("staleness_mean") is not None:
+            row.update(measured_staleness=point.get("staleness_mean"), predicted_staleness=predicted.staleness)
+            if predicted.staleness is not None and point.get("staleness_mean") is not None:
+                row["staleness_error"] = abs(predicted.staleness - point["staleness_mean"])
+        rows.append(row)
+    good = [r for r in rows if "throughput_error" in r]
+    worst = max(good, key=lambda r: r["throughput_error"]) if good else None
+    stale = [r for r in rows if "staleness_error" in r]
+    worst_stale = max(stale, key=lambda r: r["staleness_error"]) if stale else None
+    return {"calibrated_with": f"{calibrate_with}, 2 worker hosts, unlimited link",
+            "calibration": calibration.as_dict(), "table": rows,
+            "max_throughput_error": worst["throughput_error"] if worst else None,
+            "max_throughput_error_at": _where(worst),
+            "median_throughput_error": statistics.median(r["throughput_error"] for r in good) if good else None,
+            "points_within_15pct": f"{sum(r['throughput_error'] <= 0.15 for r in good)}/{len(good)}",
+            "max_staleness_error": worst_stale["staleness_error"] if worst_stale else None,
+            "max_staleness_error_at": _where(worst_stale),
+            "failed_points": [_where(r) for r in rows if "error" in r]}
+
+
+MODEL_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)  # float32 parameters
+
+
+def _rate(condition: str) -> float:
+    from workbench.lab import rate_bytes_per_s
+
+    return rate_bytes_per_s(condition)
+
+
+def _where(row: dict[str, Any] | None) -> str | None:
+    return None if row is None else f"{row['config']}, {row['workers']} workers, {row['condition']}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{'configuration':<13}{'workers':>8}{'condition':>11}{'measured':>10}{'predicted':>10}{'error':>7}"
+          f"{'stale m':>9}{'stale p':>9}")
+    for row in result["table"]:
+        if "error" in row:
+            print(f"{row['config']:<13}{row['workers']:>8}{row['condition']:>11}  failed: {row['error'][:60]}")
+            continue
+        print(f"{row['config']:<13}{row['workers']:>8}{row['condition']:>11}{row['measured_samples_per_s']:>10,.0f}"
+              f"{row['predicted_samples_per_s']:>10,.0f}{row['throughput_error']:>7.0%}"
+              f"{network._fmt(row.get('measured_staleness'), 2):>9}"
+              f"{network._fmt(row.get('predicted_staleness'), 2):>9}")
+    print(f"\nmax throughput error {result['max_throughput_error']:.1%} ({result['max_throughput_error_at']}), "
+          f"median {result['median_throughput_error']:.1%}, within 15%: {result['points_within_15pct']}; "
+          f"max staleness error {network._fmt(result['max_staleness_error'], 2)} ({result['max_staleness_error_at']})")
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README's table: per configuration and condition, measured / predicted samples/s and the
+    error at each worker count; staleness (measured / predicted) beside the parameter-server rows."""
+    rows = [r for r in result["table"] if "error" not in r]
+    sizes = sorted({r["workers"] for r in rows})
+    conditions = list(dict.fromkeys(r["condition"] for r in rows))
+    header = "| configuration | condition | " + " | ".join(f"{n} workers: measured / predicted" for n in sizes)
+    lines = [header + " | staleness m / p |", "|---|---|" + "---:|" * len(sizes) + "---|"]
+    for name in dict.fromkeys(r["config"] for r in rows):
+        for condition in conditions:
+            cells, stale = [], []
+            for size in sizes:
+                row = next((r for r in rows if r["config"] == name and r["condition"] == condition
+                            and r["workers"] == size), None)
+                if row is None:
+                    cells.append("-")
+                    continue
+                error = row["throughput_error"]
+                mark = "**" if error > 0.15 else ""
+                cells.append(f"{row['measured_samples_per_s']:,.0f} / {row['predicted_samples_per_s']:,.0f} "
+                             f"({mark}{error:.0%}{mark})")
+                if row.get("measured_staleness") is not None and row.get("predicted_staleness") is not None:
+                    stale.append(f"{row['measured_staleness']:.1f}/{row['predicted_staleness']:.1f}")
+            lines.append(f"| {name} | {condition} | " + " | ".join(cells) + f" | {' '.join(stale) or '-'} |")
+    return "\n".join(lines)
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,3,4", help="worker hosts of each lab, comma-separated")
+    parser.add_argument("--rates", default=",".join(RATES), help="link rates, comma-separated (tc rates)")
+    parser.add_argument("--no-straggler", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the grid (interleaved; medians)")
+    parser.add_argument("--window-s", type=float, default=3.0, help="steady seconds measured per cell")
+    parser.add_argument("--max-window-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=1.5)
+    parser.add_argument("--warmup-steps", type=int, default=6)
+    parser.add_argument("--start-timeout-s", type=float, default=90.0)
+    parser.add_argument("--label", default=None, help="JSON to benchmarks/results/simulator-LABEL.json "
+                                                      "(default cpu-<cores>core-<date>; --quick saves only with one)")
+    parser.add_argument("--from", dest="source", default=None,
+                        help="predict again from a saved result's calibration records and points (no lab)")
+    parser.add_argument("--calibrate-with", default=CALIBRATION_RUNS[0][0],
+                        help=f"the calibration run: one of {', '.join(n for n, _, _ in CALIBRATION_RUNS)}")
+    parser.add_argument("--quick", action="store_true", help="2 worker hosts, unlimited and 100mbit, 2 strategies")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.hosts, arguments.rates, arguments.no_straggler = QUICK["hosts"], QUICK["rates"], True
+        arguments.repeats = 1
+    return arguments
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    if arguments.source:
+        document = json.loads(Path(arguments.source).read_text())
+        document["predicted_again"] = datetime.date.today().isoformat()
+    else:
+        document = measure(arguments)
+        # The measurements first, so a failure of the model loses no lab time.
+        Path("/tmp/simulator-measured.json").write_text(json.dumps(network._rounded(document)))
+    document.update(predict_points(document, arguments.calibrate_with))
+    print_table(document)
+    print("\n" + markdown_table(document))
+    label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
+    if arguments.source or not (arguments.quick and arguments.label is None):
+        path = RESULTS / f"simulator-{label}.json"
+        path.write_text(json.dumps(network._rounded(document), indent=1) + "\n")
+        print(f"\nwritten to {path}")
+    summary = {k: document[k] for k in ("max_throughput_error", "max_throughput_error_at", "median_throughput_error",
+                                        "points_within_15pct", "max_staleness_error", "max_staleness_error_at")}
+    print(json.dumps(network._rounded(summary)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The capacity-planning simulator (`workbench.simulate`): its arithmetic against hand-computed values,
+its monotonicity, and calibration recovering what synthetic step records were made from. No cluster."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from workbench import simulate
+from workbench.simulate import Calibration, bucket_exposure, calibrate, predict
+
+MODEL_BYTES = 7_454_760.0  # MLP 784-1024-1024-10 in float32
+STRATEGIES = [("allreduce", {}), ("average", {"period": 16}), ("average", {"period": 16, "overlap": True}),
+              ("async", {"push_every": 4}), ("ssp", {"push_every": 4}), ("easgd", {"period": 16})]
+
+
+def calibration(**changes) -> Calibration:
+    fields = dict(compute_s=0.02, compute_spread=0.0, model_bytes=MODEL_BYTES, host_rate=500e6)
+    return Calibration(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("strategy,settings", STRATEGIES)
+@pytest.mark.parametrize("workers", [2, 3, 4, 16, 1024])
+@pytest.mark.parametrize("cores", [2.0, None])
+def test_a_faster_link_never_lowers_predicted_throughput(strategy, settings, workers, cores):
+    cal = calibration(compute_spread=0.1)
+    previous = 0.0
+    for rate in (1e6, 12.5e6, 125e6, 1.25e9, None):
+        now = predict(cal, strategy, settings, workers, rate, cores=cores).samples_per_s
+        assert now >= previous * (1 - 1e-9), (rate, now, previous)
+        previous = now
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_allreduce_comm_share_is_the_hand_computed_value(workers):
+    # Dedicated hosts, no spread, one bucket holding the whole model: the all-reduce starts when
+    # backward ends, so the step is compute plus the ring's 2(N-1)/N of the model at the link rate.
+    cal = calibration()
+    rate = 12.5e6
+    got = predict(cal, "allreduce", {"bucket_mb": 64}, workers, rate)
+    # A shaped link carries its rate in Ethernet frames: TCP's payload is 1448 of every 1514 bytes.
+    transfer = 2 * (workers - 1) / workers * MODEL_BYTES / (rate * 1448 / 1514)
+    assert got.comm_share == pytest.approx(transfer / (cal.compute_s + transfer))
+    assert got.samples_per_s == pytest.approx(workers * 128 / (cal.compute_s + transfer))
+
+
+def test_bucket_exposure_hides_the_early_buckets_behind_backward():
+    # Two equal buckets: the first is ready halfway through backward (0.5 s of 1 s) and takes 0.25 s,
+    # the second starts when backward ends and takes 0.25 s more: 0.25 s exposed.
+    assert bucket_exposure(0.5, 1.0, 100.0, 50.0) == pytest.approx(0.25)
+    # A transfer slower than backward: the first bucket runs from 0.5 to 1.5, the second to 2.5.
+    assert bucket_exposure(2.0, 1.0, 100.0, 50.0) == pytest.approx(1.5)
+    assert bucket_exposure(2.0, 1.0, 100.0, 1000.0) == pytest.approx(2.0)  # one bucket: nothing hidden
+
+
+def test_average_pays_one_blocking_exchange_per_period_and_overlap_hides_it():
+    cal = calibration()
+    rate = 125e6
+    blocking = predict(cal, "average", {"period": 8}, 2, rate)
+    transfer = MODEL_BYTES / (rate * cal.link_efficiency)
+    assert blocking.samples_per_s == pytest.approx(2 * 8 * 128 / (8 * cal.compute_s + transfer))
+    hidden = predict(cal, "average", {"period": 8, "overlap": True}, 2, rate)
+    assert hidden.samples_per_s == pytest.approx(2 * 128 / cal.compute_s)  # 60 ms hidden behind 160 ms
+    assert hidden.comm_share == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8, 32])
+def test_async_staleness_with_push_every_1_is_about_workers_minus_1(workers):
+    got = predict(calibration(), "async", {"push_every": 1}, workers, None)
+    assert got.staleness == pytest.approx(workers - 1, abs=0.05)
+
+
+def test_push_weighted_staleness_is_workers_minus_1_whatever_the_speeds():
+    # Each push by one worker is missed by the next push of every other: N-1 per push on average.
+    cal = calibration()
+    for rate in (None, 12.5e6):
+        got = predict(cal, "async", {"push_every": 4}, 4, rate, straggler=0.3)
+        assert got.staleness == pytest.approx(3.0)
+
+
+def test_rarer_fetches_add_the_workers_own_pushes():
+    # fetch_every 16 with push_every 4: pushes 1..4 after a fetch miss 0..3 own pushes plus 1..4
+    # windows of the other worker's: 1, 3, 5, 7, mean 4 (the lab measured 3.9).
+    got = predict(calibration(), "async", {"push_every": 4, "fetch_every": 16, "shards": 2}, 2, None)
+    assert got.staleness == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 16, 256])
+@pytest.mark.parametrize("bound", [0, 1, 2, 8])
+def test_ssp_staleness_never_exceeds_its_bound_or_async(workers, bound):
+    cal = calibration()
+    for rate, straggler in ((None, None), (12.5e6, None), (None, 0.25), (1e6, 0.5)):
+        ssp = predict(cal, "ssp", {"push_every": 4, "max_staleness": bound}, workers, rate, straggler=straggler)
+        free = predict(cal, "async", {"push_every": 4}, workers, rate, straggler=straggler)
+        assert ssp.staleness <= free.staleness + 1e-9
+        # Versions missed per push within a bound of `bound` clocks: at most (bound + 1) of each other's.
+        assert ssp.staleness <= (bound + 1) * (workers - 1) + 1e-9
+        assert ssp.samples_per_s <= free.samples_per_s * (1 + 1e-9)
+
+
+def test_ssp_holds_fast_workers_to_the_slowest():
+    # 100 Mbit/s: the worker across the link is slow, the one beside the server fast; SSP runs both at
+    # the slow one's pace, async lets the fast one run alone.
+    cal = calibration()
+    ssp = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6)
+    free = predict(cal, "async", {"push_every": 4}, 2, 12.5e6)
+    assert ssp.per_worker_samples_per_s[0] == pytest.approx(ssp.per_worker_samples_per_s[1])
+    assert free.per_worker_samples_per_s[0] > 5 * free.per_worker_samples_per_s[1]
+    assert ssp.staleness == pytest.approx(0.5)
+
+
+def test_one_server_shard_saturates_and_more_shards_lift_it():
+    cal = calibration()
+    one = predict(cal, "async", {"push_every": 1}, 64, None)
+    many = predict(cal, "async", {"push_every": 1, "shards": 16}, 64, None)
+    assert many.samples_per_s > 4 * one.samples_per_s
+    # The shard serves (push + reply) / 2 at host_rate per push: that caps the whole cluster's pushes.
+    service = MODEL_BYTES / cal.host_rate
+    assert one.samples_per_s <= 128 / service * 1.01
+
+
+def test_shared_cores_slow_compute_by_processes_per_core():
+    # On the lab every host shares the machine: 4 workers on 2 cores compute at half speed.
+    cal = calibration()
+    alone = predict(cal, "average", {"period": 10_000}, 4, None)
+    shared = predict(cal, "average", {"period": 10_000}, 4, None, cores=2)
+    assert shared.cpu_speed == pytest.approx(0.5, rel=0.01)
+    assert shared.samples_per_s == pytest.approx(alone.samples_per_s / 2, rel=0.01)
+
+
+def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():
+    cal = calibration()
+    sync = predict(cal, "average", {"period": 10_000}, 4, None, straggler=0.5)
+    assert sync.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / 0.5), rel=0.01)
+    # Real hosts (2 cores each): the others compute at full speed, their copies on the second core; the
+    # straggler's cap holds all of its threads, so half a core covers its compute and its copies.
+    free = predict(cal, "async", {"push_every": 4}, 4, None, straggler=0.5)
+    holder, other, slow = free.per_worker_samples_per_s
+    assert other == pytest.approx(128 / cal.compute_s)
+    assert slow == pytest.approx(0.5 * 4 * 128 / (4 * cal.compute_s + MODEL_BYTES / cal.host_rate), rel=0.01)
+
+
+def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, steps: int = 400):
+    """Step records as an allreduce run writes them, for a run whose truth is `cal`: with spare cores the
+    buckets' copies run beside backward; with a core or less per worker they share it with the rest of
+    backward once the first bucket is ready (`simulate.calibrate`'s two cases)."""
+    wire = 2 * (workers - 1) / workers * cal.model_bytes
+    copy = wire / cal.host_rate
+    first = min(1.0, 4 * simulate.MIB / cal.model_bytes)
+    if cores is not None and workers >= cores:
+        share = cores / workers
+        overlapped = (1 - first) * simulate.BACKWARD_SHARE
+        compute = cal.compute_s * (1 + overlapped) / share
+        exposed = (copy - overlapped * cal.compute_s) / share
+    else:
+        compute = cal.compute_s
+        exposed = bucket_exposure(copy, simulate.BACKWARD_SHARE * compute, cal.model_bytes, 4 * simulate.MIB)
+    comm = exposed + cal.compute_s * cal.compute_spread * simulate.expected_max(workers)  # the wait for the slower
+    rng = random.Random(0)
+    records = []
+    for worker in range(workers):
+        for step in range(steps):
+            # A symmetric jitter of known robust spread (a normal draw) around the mean step.
+            jitter = rng.gauss(0, cal.compute_spread)
+            records.append({"worker": worker, "step": step, "compute_s": compute * (1 + jitter), "comm_s": comm,
+                            "wait_s": 0.0, "samples": 128, "strategy": "allreduce", "bytes_sent": wire})
+    return records, workers * 128 / (compute + comm)
+
+
+@pytest.mark.parametrize("cores", [None, 2.0])
+def test_calibration_recovers_the_values_synthetic_records_were_made_from(cores):
+    truth = calibration(compute_s=0.019, compute_spread=0.05, host_rate=600e6)
+    records, samples_per_s = _synthetic_allreduce(truth, 2, cores)
+    got = calibrate(records, MODEL_BYTES, workers=2, cores=cores)
+    assert got.compute_s == pytest.approx(truth.compute_s, rel=0.03)
+    assert got.compute_spread == pytest.approx(truth.compute_spread, rel=0.15)
+    assert got.host_rate == pytest.approx(truth.host_rate, rel=0.05)
+    assert got.samples_per_step == 128
+    # The model's size is also read from what the ring sent per worker.
+    assert calibrate(records, workers=2, cores=cores).model_bytes == pytest.approx(MODEL_BYTES)
+    # And the calibrated model predicts the run it was calibrated from.
+    again = predict(got, "allreduce", {}, 2, None, cores=cores).samples_per_s
+    assert again == pytest.approx(samples_per_s, rel=0.05)
+
+
+def test_calibration_from_averaging_reads_compute_between_syncs_and_the_exchange_at_them():
+    records = []
+    for worker in range(2):
+        for step in range(64):
+            sync = step % 4 == 3
+            records.append({"worker": worker, "step": step, "compute_s": 0.02, "samples": 128, "strategy": "average",
+                            "comm_s": 0.015 if sync else 0.0, **({"bytes_sent": MODEL_BYTES} if sync else {})})
+    got = calibrate(records, MODEL_BYTES, workers=2, cores=2)
+    assert got.compute_s == pytest.approx(0.02)
+    assert got.host_rate == pytest.approx(MODEL_BYTES / 0.015)
+    # With a 100 Mbit/s link, the wire's own time is taken out of the exchange first.
+    slow = [dict(r, comm_s=MODEL_BYTES / (12.5e6 * 1448 / 1514) + 0.015) if r.get("bytes_sent") else r
+            for r in records]
+    assert calibrate(slow, MODEL_BYTES, link_rate=12.5e6, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.015)
+
+
+def test_bad_arguments_say_what_is_allowed():
+    with pytest.raises(ValueError, match="strategy='ring'"):
+        predict(calibration(), "ring", {}, 2)
+    with pytest.raises(ValueError, match="workers=0"):
+        predict(calibration(), "allreduce", {}, 0)
+    with pytest.raises(ValueError, match="no step records"):
+        calibrate([], MODEL_BYTES)
+    with pytest.raises(ValueError, match="not modelled"):
+        predict(calibration(), "async", {"compression": "threshold"}, 2)
+
+
+def test_defaults_are_the_strategies_own():
+    from workbench.strategies import make_settings
+
+    for strategy, values in simulate.DEFAULTS.items():
+        settings = dataclasses.asdict(make_settings(strategy, {}))
+        assert {key: settings[key] for key in values} == values, strategy
+
+
+def test_1024_workers_predict_quickly_and_finitely():
+    cal = calibration(compute_spread=0.1)
+    for strategy, settings in STRATEGIES:
+        got = predict(cal, strategy, settings, 1024, 125e6)
+        assert math.isfinite(got.samples_per_s) and got.samples_per_s > 0
+        assert 0 <= got.comm_share <= 1
+
+
+def test_ssp_holds_the_faster_workers_only_once_the_gap_reached_its_bound():
+    # 100 Mbit/s: the remote worker pushes about once a second, the one beside the server every 80 ms:
+    # a gap of 8 clocks takes well under 2 s to build, but not 0.1 s.
+    cal = calibration()
+    early = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=0.1)
+    late = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=30.0)
+    free = predict(cal, "async", {"push_every": 4}, 2, 12.5e6)
+    assert early.samples_per_s == pytest.approx(free.samples_per_s)
+    assert late.samples_per_s == pytest.approx(predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6).samples_per_s)
+    assert late.samples_per_s < free.samples_per_s / 3

@@ -1,0 +1,481 @@
+"""A capacity-planning simulator of every strategy: calibrated from one real run's step records, it
+predicts throughput (samples/s), the share of step time spent communicating and the mean staleness of
+pushes for any number of workers, link rate and straggler. Pure arithmetic: no I/O, no Dask, no torch.
+
+The model is a fluid one, in steady state, per class of identical workers (so 1024 workers cost no more
+than 4). Each worker's cycle (the steps between its exchanges) is the longest of what bounds it:
+- its own compute, at the CPU speed it gets (one training thread: at most one core, at most its host's
+  cap, and less when the processes sharing the cores want more than there are);
+- its exchange: a ring all-reduce moves 2(N-1)/N of the payload each way per worker, bucketed and
+  overlapped with backward for `allreduce`; a parameter-server round trip moves the push up and the
+  reply down the worker's link, and the server's link carries every remote worker's traffic;
+- the server shard's own service (one actor per shard), and the link of the host holding it.
+Moving bytes costs CPU too (serialising, copying, the kernel's veth), measured as the rate `host_rate`
+at which one core moves an exchange when the link does not limit it; the wire and those copies overlap
+for large messages, so a transfer takes the longer of the two.
+
+CPU is a budget per pool of cores: on the lab every emulated host shares the machine's cores (one pool
+of `cores`); on real machines (`cores=None`) each host has `host_cores` of its own. Every runnable
+process in a pool progresses at the same speed, found so that the pool's demand fits its cores. That is
+the assumption that makes a lab of N hosts on 2 cores predictable: compute time scales with 1/speed
+(with 4 workers on 2 cores, each computes at half speed). A host's cap (the lab's straggler: a cgroup
+quota; a real host's own cores) holds all its threads, the shard's actor and the copies included.
+Calibration undoes the same sharing: on shared cores the calibration run's backward shared each
+worker's core with the all-reduce's copies, so its measured compute holds some copying.
+
+What it leaves out: start-up, convergence (staler or rarer exchanges may need more steps to the same
+accuracy), compression's CPU cost, per-message latency beyond `latency_s`, and what more processes than
+cores cost beyond sharing them (context switches, caches).
+
+Staleness (versions a push did not see) follows from the push rates: between a worker's fetch and its
+next push every other worker pushes at its own rate, so with equal workers it is N-1 per push (and the
+push-weighted mean is N-1 whatever the rates); SSP throttles the faster workers to the slowest one's
+clock once their gap, growing at the difference of their push rates, reaches the bound, and they fetch
+fresh weights after each wait.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+MIB = 1024 * 1024
+BACKWARD_SHARE = 2 / 3  # of a step's compute: backward costs about twice the forward pass (dense layers)
+SSP_THROTTLE_TOLERANCE = 0.03  # push rates closer than this count as equal: the SSP gap does not grow
+COMPRESSED_FRACTION = {"none": 1.0, "fp16": 0.5}  # of float32 bytes; top-k sends values and int32 indices
+WIRE_FRACTION = {"float32": 1.0, "fp16": 0.5, "bf16": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What one real run measured, reduced to the few numbers the model needs (seconds, bytes)."""
+
+    compute_s: float
+    """One step's forward, backward and optimizer on one whole core, with nothing else running."""
+    compute_spread: float
+    """Relative spread (robust standard deviation / median) of one step's compute time: a synchronous
+    step waits for the slowest of N such draws."""
+    model_bytes: float
+    """The float32 parameters: what one full exchange of the model carries each way."""
+    host_rate: float
+    """Bytes per second one core moves through an exchange (each way at once) when the link does not
+    limit it: serialisation and copies, measured on the calibration run's link."""
+    samples_per_step: int = 128
+    step_overhead_s: float = 0.0
+    """The training loop's own time per step beyond compute and communication (data, metrics, control
+    checks), on one whole core."""
+    latency_s: float = 0.0
+    """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
+    server_apply_s: float = 0.0
+    """The server's CPU time to apply one push, beyond moving its bytes (measured 0 unless known)."""
+    link_efficiency: float = 1448 / 1514
+    """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
+    1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
+    calibrated_from: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    samples_per_s: float
+    """All workers together."""
+    comm_share: float
+    """Of the workers' step time, the part spent waiting for communication (step-weighted, as the
+    workbench's time split counts it)."""
+    staleness: float | None
+    """Mean over pushes of the server versions a push did not see (parameter-server strategies only)."""
+    per_worker_samples_per_s: tuple[float, ...]
+    """By worker class: the server's host first, then the others, then the straggler (if any)."""
+    cpu_speed: float
+    """The CPU speed the unthrottled workers got (1 = a whole core each)."""
+
+
+# --- calibration ---------------------------------------------------------------------------------------------
+
+
+def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = None, link_rate: float | None = None,
+              workers: int | None = None, cores: float | None = None, bucket_mb: float = 4.0,
+              **known: Any) -> Calibration:
+    """A Calibration from the step records of one `allreduce` or `average` run (dicts with `worker`,
+    `compute_s`, `comm_s`, `samples`, `bytes_sent`, `strategy`), its float32 model size in bytes (None:
+    read from the float32 exchanges' `bytes_sent`, what a ring all-reduce sends per worker), its
+    link rate in bytes/s (None: unlimited), its worker count (default: the ranks in the records) and the
+    cores those workers shared (None: a host each). `known` sets other fields (latency_s, ...)."""
+    records = [r for r in records if r.get("compute_s") is not None]
+    if not records:
+        raise ValueError("records holds no step records (with compute_s): pass a run's step records")
+    strategy = records[0].get("strategy", "allreduce")
+    ranks = sorted({r.get("worker", 0) for r in records})
+    n = workers or len(ranks)
+    batch = int(statistics.median(r.get("samples", 128) for r in records))
+    if model_bytes is None:
+        sent = [r["bytes_sent"] for r in records if r.get("bytes_sent")]
+        if not sent or n < 2:
+            raise ValueError("model_bytes=None needs the bytes_sent of a run of 2 or more workers: pass model_bytes")
+        model_bytes = statistics.median(sent) * n / (2 * (n - 1))
+    spread = _spread(records, ranks)
+    efficiency = known.get("link_efficiency", Calibration.__dataclass_fields__["link_efficiency"].default)
+    link = math.inf if link_rate is None else link_rate * efficiency
+    wire = 2 * (n - 1) / n * model_bytes if n > 1 else 0.0
+    # Means, not medians: the occasional slow step (a collection, a metrics flush) costs throughput too.
+    overhead = _loop_overhead(records, ranks)
+    if strategy == "average":
+        # Between syncs a step is compute alone; a sync is a blocking all-reduce of the weights.
+        syncs = [r for r in records if r.get("bytes_sent")]
+        local = [r for r in records if not r.get("bytes_sent")]
+        measured_compute = statistics.fmean(r["compute_s"] for r in local or records)
+        exchange = statistics.fmean(r["comm_s"] for r in syncs) if syncs else 0.0
+        speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
+    elif strategy == "allreduce":
+        measured_compute = statistics.fmean(r["compute_s"] for r in records)
+        measured_comm = statistics.fmean(r["comm_s"] for r in records)
+        share = 1.0 if cores is None else min(1.0, cores / n)
+        # Each worker had a core at most: once the first bucket is ready its copies and the rest of
+        # backward share that core, so the measured compute holds that much copying (and that copy is
+        # hidden). With spare cores the copies ran beside backward.
+        overlapped = (1 - min(1.0, bucket_mb * MIB / model_bytes)) * BACKWARD_SHARE
+        saturated = cores is not None and n >= cores
+        pure_compute = measured_compute / (1 + overlapped) if saturated else measured_compute
+        # The wait for the slower worker (predict's `idle`) is part of the measured exposure, not of the
+        # transfer.
+        exposed = max(0.0, measured_comm - pure_compute * share * spread * expected_max(n))
+        if saturated:
+            exchange = exposed + overlapped * pure_compute
+        else:
+            # Undo the bucket overlap to get the transfer.
+            exchange = _invert_overlap(exposed, BACKWARD_SHARE * measured_compute, model_bytes, bucket_mb * MIB)
+        measured_compute = pure_compute
+        speed = share
+    else:
+        raise ValueError(f"strategy {strategy!r}: calibrate from an 'allreduce' or 'average' run")
+    copy_s = exchange if math.isinf(link) else max(0.0, exchange - wire / link)
+    host_rate = wire / (copy_s * speed) if copy_s > 0 and wire > 0 else math.inf
+    fields = {"compute_s": measured_compute * speed, "compute_spread": spread, "model_bytes": float(model_bytes),
+              "host_rate": host_rate, "samples_per_step": batch, "step_overhead_s": overhead * speed,
+              "calibrated_from": f"{strategy}, {n} workers, {len(records)} step records"}
+    return Calibration(**{**fields, **known})
+
+
+def _loop_overhead(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
+    """The loop's own time per step outside compute, communication and waits (data, metrics, control):
+    each worker's time from its first to its last step record, less what those steps recorded."""
+    gaps = []
+    for rank in ranks:
+        mine = sorted((r for r in records if r.get("worker", 0) == rank and r.get("time") is not None),
+                      key=lambda r: r["time"])
+        if len(mine) < 2:
+            continue
+        between = (mine[-1]["time"] - mine[0]["time"]) / (len(mine) - 1)
+        recorded = statistics.fmean(r["compute_s"] + r.get("comm_s", 0.0) + r.get("wait_s", 0.0) for r in mine[1:])
+        gaps.append(max(0.0, between - recorded))
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
+def _spread(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
+    """Robust relative spread of one step's compute time, each worker against its own median."""
+    deviations = []
+    for rank in ranks:
+        times = [r["compute_s"] for r in records if r.get("worker", 0) == rank]
+        center = statistics.median(times)
+        deviations += [abs(t - center) / center for t in times if center > 0]
+    return 1.4826 * statistics.median(deviations) if deviations else 0.0
+
+
+def expected_max(n: int) -> float:
+    """Expected maximum of n standard normal draws (Blom's approximation): how far the slowest of n
+    workers' step is above the median step."""
+    if n <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def bucket_exposure(transfer_s: float, backward_s: float, payload_bytes: float, bucket_bytes: float) -> float:
+    """Time an all-reduce adds after backward ends, when its buckets start as their gradients are ready
+    (gradients become ready evenly during backward, the last layers' first) and share one link: the
+    whole transfer takes `transfer_s`."""
+    if transfer_s <= 0 or payload_bytes <= 0:
+        return 0.0
+    sizes, left = [], payload_bytes
+    while left > 0:
+        sizes.append(min(bucket_bytes, left))
+        left -= sizes[-1]
+    finished, ready = 0.0, 0.0
+    for size in sizes:
+        ready += backward_s * size / payload_bytes
+        finished = max(finished, ready) + transfer_s * size / payload_bytes
+    return max(0.0, finished - backward_s)
+
+
+def _invert_overlap(exposed_s: float, backward_s: float, payload_bytes: float, bucket_bytes: float) -> float:
+    """The whole transfer time whose bucketed exposure after `backward_s` is `exposed_s` (bisection)."""
+    low, high = exposed_s, exposed_s + backward_s + 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if bucket_exposure(middle, backward_s, payload_bytes, bucket_bytes) < exposed_s:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+# --- prediction --------------------------------------------------------------------------------------------
+
+DEFAULTS: dict[str, dict[str, Any]] = {  # each strategy's settings as the workbench defaults them
+    "allreduce": {"bucket_mb": 4.0, "wire_dtype": "float32"},
+    "average": {"period": 4, "overlap": False, "wire_dtype": "float32"},
+    "async": {"push_every": 1, "fetch_every": None, "shards": 1, "overlap": True, "compression": "none",
+              "topk_ratio": 0.01, "reply_compression": None},
+    "ssp": {"push_every": 1, "fetch_every": None, "shards": 1, "overlap": True, "compression": "none",
+            "topk_ratio": 0.01, "reply_compression": None, "max_staleness": 8},
+    "easgd": {"period": 4, "alpha": 0.5, "shards": 1, "overlap": True, "compression": "none", "topk_ratio": 0.01,
+              "reply_compression": None},
+}
+SERVER_STRATEGIES = ("async", "ssp", "easgd")
+
+
+@dataclasses.dataclass
+class _Class:
+    """Identical workers: how many, their host's CPU cap (cores, all threads), whether each holds a shard."""
+
+    count: int
+    cap: float
+    holds_shard: bool
+    speed: float = 1.0
+    cycle: float = 0.0  # seconds between exchanges
+    steps: int = 1  # steps per cycle
+    exposed: float = 0.0  # communication the cycle waited for
+    work: float = 0.0  # CPU seconds (at speed 1) per cycle, the server's share on its host excluded
+    throttled: bool = False
+    idle: float = 0.0  # of the cycle, waiting for the slowest worker's step: CPU nobody else can use
+
+
+def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
+            link_rate: float | None = None, straggler: float | None = None, cores: float | None = None,
+            host_cores: float = 2.0, elapsed_s: float | None = None) -> Prediction:
+    """Predicted steady state of `strategy` with `settings` on `workers` workers (one per host) whose
+    links run at `link_rate` bytes/s (None: unlimited). `straggler`: one host (the last) capped at that
+    many cores. `cores`: all hosts share that many cores (the lab); None: each host has `host_cores`.
+    `elapsed_s`: how long the run has trained (None: long enough for every steady state); SSP's gap
+    grows at the difference of the workers' push rates and holds the faster ones only once it reaches
+    the bound."""
+    if strategy not in DEFAULTS:
+        raise ValueError(f"strategy={strategy!r} is not allowed: expected one of {sorted(DEFAULTS)}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} is not allowed: expected an integer >= 1")
+    values = {**DEFAULTS[strategy], **(settings or {})}
+    link = math.inf if link_rate is None else link_rate * calibration.link_efficiency
+    shards = min(values.get("shards", 0), workers) if strategy in SERVER_STRATEGIES else 0
+    # A host's cap on all its processes' threads: its own cores on real hosts; none beyond the shared
+    # pool on the lab, but the straggler's cgroup quota.
+    classes = _classes(workers, shards, straggler, host_cores if cores is None else math.inf)
+    model = _Model(calibration, strategy, values, workers, link, shards, classes)
+    model.elapsed_s = elapsed_s
+    _fit_speeds(model, cores)
+    model.evaluate()
+    return model.prediction()
+
+
+def _classes(workers: int, shards: int, straggler: float | None, host_cap: float) -> list[_Class]:
+    slow = 1 if straggler is not None and workers > 1 else 0
+    normal = workers - slow
+    holders = min(shards, normal)
+    groups = [_Class(holders, host_cap, True), _Class(normal - holders, host_cap, False)]
+    if slow:
+        groups.append(_Class(1, min(host_cap, straggler), shards > normal))
+    return [group for group in groups if group.count > 0]
+
+
+def _fit_speeds(model: _Model, cores: float | None) -> None:
+    """Each class's CPU speed (<= 1): the largest at which one of its processes (with the shard it holds)
+    wants no more than its host's cap, and, when all hosts share `cores`, at which every process together
+    wants no more than those; bisections, repeated until they agree."""
+    groups = model.classes
+
+    def fits_alone(group: _Class, speed: float) -> bool:
+        group.speed = speed
+        model.evaluate()
+        return model.demand(group) <= group.cap * (1 + 1e-9)
+
+    def fits_together(level: float, limits: list[float]) -> bool:
+        for group, limit in zip(groups, limits):
+            group.speed = min(limit, level)
+        model.evaluate()
+        return sum(model.demand(g) * g.count for g in groups) <= cores * (1 + 1e-9)
+
+    for _ in range(8):
+        limits = []
+        for group in groups:
+            limits.append(_largest(lambda speed: fits_alone(group, speed)))
+            group.speed = limits[-1]
+        if cores is not None:
+            level = _largest(lambda level: fits_together(level, limits))
+            for group, limit in zip(groups, limits):
+                group.speed = min(limit, level)
+
+
+def _largest(fits: Any) -> float:
+    """The largest speed in (0, 1] for which `fits(speed)` holds (it holds below some threshold)."""
+    if fits(1.0):
+        return 1.0
+    low, high = 1e-4, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    fits(low)
+    return low
+
+
+class _Model:
+    """One strategy's cycle, exposure and CPU work per worker class, given each class's CPU speed."""
+
+    def __init__(self, calibration: Calibration, strategy: str, values: dict[str, Any], workers: int,
+                 link: float, shards: int, classes: list[_Class]) -> None:
+        self.c, self.strategy, self.values, self.n = calibration, strategy, values, workers
+        self.link, self.shards, self.classes = link, shards, classes
+        self.staleness: float | None = None
+        self.elapsed_s: float | None = None
+        self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
+
+    def evaluate(self) -> None:
+        if self.strategy in SERVER_STRATEGIES:
+            self._server()
+        else:
+            self._synchronous()
+
+    def demand(self, group: _Class) -> float:
+        """Cores one worker's process of `group` wants (its shard's service included)."""
+        busy = group.cycle - group.idle
+        own = group.work / busy if busy > 0 else 0.0
+        server = self.server_load if group.holds_shard else 0.0
+        return own + server
+
+    def _transfer(self, payload: float, speed: float) -> float:
+        """A message moved at the slower of the wire and the copies (they overlap for large messages)."""
+        return max(payload / self.link, payload / (self.c.host_rate * speed))
+
+    # --- all-reduce and averaging: every worker at the slowest one's pace --------------------------------
+
+    def _synchronous(self) -> None:
+        c, n, values = self.c, self.n, self.values
+        wire = WIRE_FRACTION[values["wire_dtype"]]
+        payload = 2 * (n - 1) / n * c.model_bytes * wire if n > 1 else 0.0
+        slowest = min(group.speed for group in self.classes)
+        compute = c.compute_s / slowest
+        loop = c.step_overhead_s / slowest
+        if self.strategy == "allreduce":
+            steps = 1
+            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
+            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
+            exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
+                                      values["bucket_mb"] * MIB)
+            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
+            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
+            idle = c.compute_s * c.compute_spread * expected_max(n)
+            path = compute + loop
+        else:
+            steps = values["period"]
+            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
+            # Over a period the steps' spread averages out as 1/sqrt(period).
+            idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
+            path = steps * (compute + loop)
+            exposed = max(0.0, transfer - path) if values["overlap"] else transfer
+        cycle = path + exposed + idle
+        copies = payload / c.host_rate
+        step_work = c.compute_s + c.step_overhead_s
+        for group in self.classes:
+            group.steps, group.cycle, group.idle = steps, cycle, idle
+            group.exposed = cycle - steps * step_work / group.speed
+            group.work = steps * step_work + copies
+
+    # --- the parameter server: async, ssp, easgd -------------------------------------------------------
+
+    def _server(self) -> None:
+        c, values, n = self.c, self.values, self.n
+        elastic = self.strategy == "easgd"
+        steps = values["period"] if elastic else values["push_every"]
+        pushes_per_fetch = 1 if elastic else max(1, (values["fetch_every"] or steps) // steps)
+        replies = values["compression"] if values["reply_compression"] is None else values["reply_compression"]
+        push = c.model_bytes * _compressed(values["compression"], values["topk_ratio"])
+        reply = c.model_bytes * _compressed(replies, values["topk_ratio"]) / pushes_per_fetch
+        shards = max(1, self.shards)
+        service = (push + reply) / (2 * c.host_rate) / shards + c.server_apply_s / shards
+        holder = next((g for g in self.classes if g.holds_shard), self.classes[0])
+        for group in self.classes:
+            remote = 1 - (1 / shards if group.holds_shard else 0.0)
+            wire = (push + reply) * remote / self.link
+            copies = (push + reply) / (2 * c.host_rate * group.speed)
+            round_trip = max(wire, copies) + service / holder.speed + 2 * c.latency_s
+            compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
+            group.steps = steps
+            group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
+            group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
+        # Each shard's host link carries every other worker's share of the traffic (a worker on that host
+        # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
+        # Pushes in and replies out take turns on it rather than overlapping: on the lab a loaded shaper
+        # queues each direction's acknowledgements behind the other's data.
+        crossing = (self.n - 1) * (push + reply) / shards / self.link
+        for group in self.classes:
+            if not group.holds_shard or shards > 1:
+                group.cycle = max(group.cycle, crossing)
+        # The shard's one actor serves every push in turn: past saturation every worker's pushes wait.
+        queue = sum(g.count / g.cycle for g in self.classes) * service / holder.speed
+        for group in self.classes:
+            group.cycle *= max(1.0, queue)
+        for group in self.classes:
+            group.exposed = group.cycle - group.steps * (c.compute_s + c.step_overhead_s) / group.speed
+        self._bound_and_staleness(pushes_per_fetch)
+        self.server_load = sum(g.count / g.cycle for g in self.classes) * service
+
+    def _bound_and_staleness(self, pushes_per_fetch: int) -> None:
+        groups = self.classes
+        slowest = max(g.cycle for g in groups)
+        fastest = min(g.cycle for g in groups)
+        bound_reached = True
+        if self.strategy == "ssp" and self.elapsed_s is not None and fastest < slowest:
+            # Clocks apart after elapsed_s: the fastest worker's windows less the slowest one's.
+            bound_reached = self.elapsed_s * (1 / fastest - 1 / slowest) > self.values["max_staleness"]
+        if self.strategy == "ssp" and bound_reached and fastest < slowest * (1 - SSP_THROTTLE_TOLERANCE):
+            # The gap grows without end, so in steady state every faster worker sits at the bound, released
+            # together by the slowest one's push; each refetches after its wait (no version missed then,
+            # but those released with it), and the slowest sees one push of every other per cycle.
+            throttled = sum(g.count for g in groups if g.cycle < slowest * (1 - SSP_THROTTLE_TOLERANCE))
+            free = self.n - throttled
+            for group in groups:
+                group.throttled = group.cycle < slowest * (1 - SSP_THROTTLE_TOLERANCE)
+                group.cycle = slowest
+            self.staleness = (throttled * (throttled - 1) / 2 + free * (self.n - 1)) / self.n
+            return
+        total_rate = sum(g.count / g.cycle for g in groups)
+        stale, pushes = 0.0, 0.0
+        for group in groups:
+            others = total_rate - 1 / group.cycle
+            # Own pushes since the fetch count too when fetches are rarer than pushes.
+            each = (pushes_per_fetch - 1) / 2 + (pushes_per_fetch + 1) / 2 * group.cycle * others
+            stale += each * group.count / group.cycle
+            pushes += group.count / group.cycle
+        self.staleness = stale / pushes
+
+    def prediction(self) -> Prediction:
+        groups = self.classes
+        per_worker = tuple(self.c.samples_per_step * g.steps / g.cycle for g in groups)
+        steps_rate = sum(g.count * g.steps / g.cycle for g in groups)
+        comm = sum(g.count * g.exposed / g.cycle for g in groups)  # comm seconds per second, all workers
+        waiting = sum(g.count for g in groups)
+        return Prediction(samples_per_s=sum(g.count * w for g, w in zip(groups, per_worker)),
+                          comm_share=comm / waiting if steps_rate else 0.0,
+                          staleness=self.staleness if self.strategy in SERVER_STRATEGIES else None,
+                          per_worker_samples_per_s=per_worker,
+                          cpu_speed=max(g.speed for g in groups))
+
+
+def _compressed(kind: str, topk_ratio: float) -> float:
+    """Bytes on the wire as a fraction of float32's."""
+    if kind == "topk":
+        return 2 * topk_ratio  # a float32 value and an int32 index per kept entry
+    if kind not in COMPRESSED_FRACTION:
+        raise ValueError(f"compression={kind!r} is not modelled: expected none, fp16 or topk")
+    return COMPRESSED_FRACTION[kind]
