@@ -40,10 +40,8 @@ ALLREDUCE_BELOW = 0.15  # it costs under 15% of a step: allreduce, exact
 STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's speed: asynchronous
 STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
 HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
-MAX_PERIOD = 64
-# Link-bound: an exchange in bf16 longer than MAX_PERIOD steps of compute, which the overlapped period
-# cannot hide; it ends when a float32 exchange is back under MAX_PERIOD steps (half that in bf16): a band
-# of 2x between entering and leaving, so a link at the edge does not flap.
+MAX_PERIOD = 64  # also the link-bound threshold (`fitting`): entered at a bf16 exchange over this many steps,
+# left at a float32 one under it (half that in bf16), a band of 2x so a link at the edge does not flap
 
 
 @dataclasses.dataclass(frozen=True)
