@@ -1,5 +1,5 @@
-"""One viewer's dashboard page: the header, the run picker, the controls and the tabs, redrawn a few
-times a second from the shared `Hub`.
+"""One viewer's dashboard page: the header, the run picker, the controls and the tabs, redrawn once a
+second (`REFRESH_MS`) from the shared `Hub`.
 
 The page is put together here; what each part shows is a view in `views/` (one file each). A periodic
 callback calls `DashboardSession.refresh`, which draws every view, and the `Screen` they share sends the
@@ -16,6 +16,11 @@ import panel as pn
 from .access import Access
 from .hub import Hub
 from .views import TABS, Context, Controls, Screen, StatusLine
+
+# How often a session redraws by default. Each redraw costs the server and every viewer a message: 10
+# sessions cost the dashboard process 0.08-0.11 core at 500 ms and 0.05-0.06 at 1000 ms, on a 2-core box
+# that also trains (benchmarks/dashboard_cost.py). A step is on screen within about a second of its record.
+REFRESH_MS = 1000
 
 
 class DashboardSession:
@@ -47,17 +52,20 @@ class DashboardSession:
         # Only the open tab is drawn too: the others are not in the browser, and drawing them cost every
         # session a tenth of its redraw for nothing. A tab opened is drawn in full at once.
         self.tabs.param.watch(lambda _event: self._draw_run(force=True), "active")
-        self.layout = pn.Column(self.header, pn.Row(self.run_select, self.status_line.pane, sizing_mode="stretch_width"),
+        self.layout = pn.Column(self.header, pn.Row(self.run_select, self.status_line.pane.layout, sizing_mode="stretch_width"),
                                 self.controls.layout, self.tabs, sizing_mode="stretch_width")
         self.refresh()
 
     def refresh(self) -> None:
-        """Redraw what changed (called a few times a second by the session's periodic callback)."""
-        rows = self.hub.runs()
-        self._offer([row["run"] for row in rows])
-        self._draw_run()
-        for view in self._views["runs"]:
-            view.draw(rows)
+        """Redraw what changed (called every `REFRESH_MS` by the session's periodic callback)."""
+        # Held: the redraw's changes go to the browser as one message. Unheld, Bokeh sends one message per
+        # changed source or pane (five to eight a redraw), and each costs the server and the viewer alike.
+        with pn.io.hold():
+            rows = self.hub.runs()
+            self._offer([row["run"] for row in rows])
+            self._draw_run()
+            for view in self._views["runs"]:
+                view.draw(rows)
 
     def _offer(self, ids: list[str]) -> None:
         """Put the runs in the picker, newest first; follow the newest until the viewer picks one."""
@@ -107,7 +115,7 @@ def header_text(access: Access, user: str | None, title: str) -> str:
     return f"## {title}\n{who}"
 
 
-def session_factory(hub: Hub, access: Access, refresh_ms: int = 500, title: str = "Training workbench"):
+def session_factory(hub: Hub, access: Access, refresh_ms: int = REFRESH_MS, title: str = "Training workbench"):
     """The Panel app: each browser session gets its own views over the shared hub."""
     def make() -> Any:
         session = DashboardSession(hub, access, user=pn.state.user, title=title)

@@ -18,7 +18,7 @@ import sys
 import panel as pn
 
 from widgets.dashboard.access import Access
-from widgets.dashboard.app import DashboardSession
+from widgets.dashboard.app import REFRESH_MS, DashboardSession
 from widgets.dashboard.hub import Hub
 from workbench import cluster as cluster_module
 from workbench.arguments import add_tls_arguments, tls_security
@@ -32,7 +32,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--admins", default="")
     parser.add_argument("--open-control", action="store_true",
                         help="without sign-in, let anyone who reaches the page control runs")
-    parser.add_argument("--refresh-ms", type=int, default=500)
+    parser.add_argument("--refresh-ms", type=int, default=REFRESH_MS)
     return parser.parse_args(sys.argv[1:])
 
 

@@ -28,7 +28,7 @@ from workbench.checks import check_number
 from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
 from .access import Access, load_credentials, policy
-from .app import DashboardSession, session_factory
+from .app import REFRESH_MS, DashboardSession, session_factory
 from .hub import Hub
 
 DEFAULT_PORT = 5006
@@ -52,7 +52,7 @@ class DashboardServer:
 
 
 def dashboard(client: Any = None, runs_dir: str | Path | None = "runs", title: str = "Training workbench",
-              refresh_ms: int = 500) -> Any:
+              refresh_ms: int = REFRESH_MS) -> Any:
     """The dashboard as a Panel object to show inline in a notebook (runs of `client`'s cluster).
 
     The notebook's user is the operator here: controls act on the runs, as the control panel does.
@@ -67,7 +67,7 @@ def dashboard(client: Any = None, runs_dir: str | Path | None = "runs", title: s
 def serve_dashboard(client: Any = None, runs_dir: str | Path | None = "runs", port: int = 0,
                     address: str = "127.0.0.1", basic_auth: str | Path | dict[str, str] | None = None,
                     admins: list[str] | tuple[str, ...] = (), cookie_secret: str | None = None,
-                    refresh_ms: int = 500, title: str = "Training workbench", **panel_options: Any) -> DashboardServer:
+                    refresh_ms: int = REFRESH_MS, title: str = "Training workbench", **panel_options: Any) -> DashboardServer:
     """Serve the dashboard from this process (a notebook) in a background thread; returns at once.
 
     port 0 picks a free port. basic_auth: a credentials file or dict {"user": "password"}; admins may
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="public host names browsers reach the dashboard by (behind a proxy)")
     parser.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     parser.add_argument("--ssl-keyfile", default=None, help="private key of --ssl-certfile")
-    parser.add_argument("--refresh-ms", type=int, default=500, help="how often sessions redraw (default 500)")
+    parser.add_argument("--refresh-ms", type=int, default=REFRESH_MS, help=f"how often sessions redraw (default {REFRESH_MS})")
 
 
 def main(argv: list[str] | None = None) -> int:

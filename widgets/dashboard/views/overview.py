@@ -4,6 +4,7 @@ control markers, staleness now, over time and as a histogram, and the table of w
 workers are named, and the table shows the slowest first."""
 from __future__ import annotations
 
+from html import escape
 from typing import Any
 
 import pandas as pd
@@ -12,7 +13,7 @@ from bokeh.models import HoverTool
 
 from workbench import worker_spread
 
-from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, SharedRender, figure, send_markers
+from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, HtmlBlock, SharedRender, figure, send_markers
 
 
 class RunOverview:
@@ -52,13 +53,13 @@ class RunOverview:
                                                   font_size="28pt", title_size="11pt", width=160)
         # HTML made once per run view for every session (`WORKER_TABLE`), not a DataFrame pane that each
         # session renders again: that was a third of a session's redraw (measured with py-spy, 10 sessions).
-        self.worker_table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["worker-table"])
-        self.slowest = pn.pane.Markdown("", sizing_mode="stretch_width", css_classes=["slowest-workers"])
+        self.worker_table = HtmlBlock("worker-table")
+        self.slowest = HtmlBlock("slowest-workers")
         plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
         self.layout = pn.Column(
             pn.Row(plots[0], plots[1], sizing_mode="stretch_width"),
             pn.Row(self.staleness_now, plots[2], plots[3], sizing_mode="stretch_width"),
-            pn.pane.Markdown("#### Workers"), self.slowest, self.worker_table,
+            pn.pane.Markdown("#### Workers"), self.slowest.layout, self.worker_table.layout,
             sizing_mode="stretch_width")
         self._states: list[str] | None = None  # the workers' states last drawn
 
@@ -98,7 +99,7 @@ def _worker_table_html(view: dict[str, Any]) -> str:
 
 
 WORKER_TABLE = SharedRender(_worker_table_html)
-SLOWEST = SharedRender(lambda view: worker_spread.slowest_line(view["workers"]))
+SLOWEST = SharedRender(lambda view: escape(worker_spread.slowest_line(view["workers"])))
 
 
 def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:

@@ -7,7 +7,7 @@ from typing import Any
 import pandas as pd
 import panel as pn
 
-from .common import Context, SharedRender, when
+from .common import Context, HtmlBlock, SharedRender, when
 
 
 def runs_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -34,8 +34,8 @@ class RunsList:
 
     def __init__(self, context: Context) -> None:
         self.screen = context.screen
-        self.table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["runs-table"])
-        self.layout = pn.Column(self.table, sizing_mode="stretch_width")
+        self.table = HtmlBlock("runs-table")
+        self.layout = pn.Column(self.table.layout, sizing_mode="stretch_width")
         self._ids: list[str] | None = None
 
     def draw(self, rows: list[dict[str, Any]]) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-import panel as pn
-
-from .common import Context
+from .common import Context, HtmlBlock
 
 
 class StatusLine:
@@ -19,7 +17,7 @@ class StatusLine:
         self.context = context
         # HTML written here, not Markdown: each session would run the Markdown converter every second
         # (measured: a seventh of a session's redraw).
-        self.pane = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.pane = HtmlBlock()
         self._drawn: tuple[Any, ...] | None = None  # the status, number of warnings and auto's line on screen
 
     def draw(self, view: dict[str, Any], force: bool) -> None:
