@@ -1,6 +1,6 @@
 """What every dashboard view is given and draws with: the `Context` (hub, viewer, picked run), the
-session's `Screen` (what the browser has now, so that a redraw sends only what changed), the figure
-style, the palette and the time format."""
+session's `Screen` (what the browser has now, so that a redraw sends only what changed), `HtmlBlock` for
+text redrawn every second, the figure style, the palette and the time format."""
 from __future__ import annotations
 
 import dataclasses
