@@ -133,6 +133,29 @@ def test_hub_rebuilds_finished_and_crashed_runs_from_run_directories(tmp_path):
         hub.close()
 
 
+def test_hub_lists_an_ended_run_from_its_summary_and_reads_its_metrics_when_it_is_drawn(tmp_path):
+    records = _steps(0, range(5)) + [{"kind": "eval", "worker": 0, "step": 4, "time": 1004.5, "loss": 0.3,
+                                      "accuracy": 0.91}, {"kind": "run-finished", "time": 1005.0}]
+    # Summaries written since they carry the best metric: the runs list needs nothing else.
+    _write_run(tmp_path, "listed", "olivia", records,
+               {"status": "finished", "samples_per_s": 123.0, "best_metric": ["accuracy", 0.91]})
+    _write_run(tmp_path, "no-eval", "olivia", _steps(0, range(3)), {"status": "stopped", "best_metric": None})
+    hub = Hub(None, tmp_path).start()
+    try:
+        listed = hub.feed("listed")
+        assert listed.table.steps_received == 0  # not read at start
+        rows = {row["run"]: row for row in hub.runs()}
+        assert (rows["listed"]["best_metric"], rows["listed"]["metric"], rows["listed"]["samples_per_s"]) == \
+            (0.91, "accuracy", 123.0)
+        assert rows["no-eval"]["best_metric"] is None and rows["no-eval"]["state"] == "stopped"
+        view = listed.view()  # drawn: read now, in full
+        assert listed.table.steps_received == 5 and view["loss"]["step"] == [0, 1, 2, 3, 4]
+        assert view["evaluations"][0]["accuracy"] == 0.91 and listed.best_metric() == ("accuracy", 0.91)
+        assert listed.view() is view  # and once
+    finally:
+        hub.close()
+
+
 class RecordingHub(Hub):
     """A hub that keeps the control requests it would send to runs, instead of sending them."""
 

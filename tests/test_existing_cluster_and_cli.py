@@ -1,4 +1,5 @@
 """An existing cluster started with the `dask scheduler` / `dask worker` commands, and the CLI end to end."""
+import json
 import re
 import subprocess
 import sys
@@ -49,6 +50,9 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     assert "samples/s" in result.stderr  # the live progress bar
     run_dirs = list(tmp_path.iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / "model.pt").exists() and (run_dirs[0] / "summary.json").exists()
+    # The summary carries the best held-out metric (the dashboard lists the run from it alone).
+    best = json.loads((run_dirs[0] / "summary.json").read_text())["best_metric"]
+    assert best[0] == "accuracy" and 0.9 <= best[1] <= 1.0
 
 
 def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):

@@ -271,6 +271,15 @@ WORKER_STATES = {kinds.WORKER_STARTED: "running", kinds.PAUSED: "paused", kinds.
                  kinds.WORKER_LEFT: "left"}
 
 
+def best_metric(evaluations: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """The best held-out accuracy (or, without one, the lowest held-out loss) of a run's evaluations."""
+    accuracies = [e["accuracy"] for e in evaluations if e.get("accuracy") is not None]
+    if accuracies:
+        return "accuracy", max(accuracies)
+    losses = [e["loss"] for e in evaluations if e.get("loss") is not None]
+    return ("held-out loss", min(losses)) if losses else None
+
+
 def downsample(xs: list[float], ys: list[float], max_points: int) -> tuple[list[float], list[float]]:
     """At most `max_points` points: consecutive points grouped and each group replaced by its mean."""
     if len(xs) <= max_points:

@@ -13,7 +13,7 @@ from .data import as_source
 from .errors import ConfigError, TrainingError
 from .evaluation import evaluate
 from .job import loss_function
-from .metrics import communication_summary, control_markers, staleness_summary, time_split
+from .metrics import best_metric, communication_summary, control_markers, staleness_summary, time_split
 
 
 def snapshot(run: Any) -> dict[str, Any]:
@@ -61,6 +61,9 @@ def summary(run: Any) -> dict[str, Any]:
             result["staleness"] = {"mean": sum(s["mean"] * s["pushes"] for s in staleness.values()) / pushes,
                                    "max": max(s["max"] for s in staleness.values()), "per_worker": staleness}
         result.update(communication_summary(frame))
+    # Always present (None without evaluations): the dashboard lists an ended run from its summary alone
+    # and reads its metrics only when someone opens it.
+    result["best_metric"] = best_metric(run.table.events(kinds.EVAL))
     warnings = run.warnings()
     if warnings:
         result["warnings"] = warnings
