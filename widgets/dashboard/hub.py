@@ -359,23 +359,24 @@ class Hub:
                 summary = json.loads((path / SUMMARY_FILE).read_text())
             except (OSError, json.JSONDecodeError):
                 summary = {}
-        run_id = config.get("run_id", path.name)
-        if summary.get("status") in ENDED and "best_metric" in summary and (path / METRICS_FILE).is_file():
-            feed = self._feed_for(run_id)
-            feed.describe({**config, "directory": str(path.resolve())}, summary["status"])
-            feed.summary = summary
-            feed.defer(path)
-            return
-        try:
-            records = read_metrics(path)
-        except OSError:
-            return
-        ends = [status for r in records for status, kind in kinds.RUN_ENDED_AS.items() if r.get("kind") == kind]
-        status = summary.get("status") or (ends[-1] if ends else "incomplete")
-        feed = self._feed_for(run_id)
+        listed_from_summary = (summary.get("status") in ENDED and "best_metric" in summary
+                               and (path / METRICS_FILE).is_file())
+        records: list[dict[str, Any]] = []
+        status = summary.get("status")
+        if not listed_from_summary:
+            try:
+                records = read_metrics(path)
+            except OSError:
+                return
+            ends = [name for r in records for name, kind in kinds.RUN_ENDED_AS.items() if r.get("kind") == kind]
+            status = status or (ends[-1] if ends else "incomplete")
+        feed = self._feed_for(config.get("run_id", path.name))
         feed.describe({**config, "directory": str(path.resolve())}, status)
         feed.summary = summary
-        feed.table.add(records)
+        if listed_from_summary:
+            feed.defer(path)
+        else:
+            feed.table.add(records)
 
 
 def _record_key(record: dict[str, Any]) -> str:
