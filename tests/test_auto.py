@@ -103,7 +103,7 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
 
 def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
-    slow = window("allreduce", 0.1)
+    slow = window("allreduce", 0.07)  # 0.7 steps: averaging, but near its threshold (0.5)
     assert chooser.observe(slow, {}, 0) is None and chooser.observe(slow, {}, 1) is None
     assert chooser.observe(window("allreduce", 0.01), {}, 2) is None  # the condition went away: start over
     assert [chooser.observe(slow, {}, t) for t in (3, 4)] == [None, None]
@@ -112,6 +112,27 @@ def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     fast = window("average", 0.001)
     assert [chooser.observe(fast, {"period": 16}, t) for t in (6, 7, 8, 20)] == [None] * 4
     assert chooser.observe(fast, {"period": 16}, 26).strategy == "allreduce"
+
+
+def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner():
+    # allreduce at 2 steps an exchange (4x the averaging threshold): two windows, not three.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    slow = window("allreduce", 0.2)
+    assert chooser.observe(slow, {}, 0) is None
+    assert chooser.observe(slow, {}, 1).strategy == "average"
+    # Averaging in bf16 at period 64 on a link that fell: an exchange of 300 steps (past 2 x 64) goes to
+    # easgd after two windows; one of 100 steps (past 64, under 128) after three.
+    settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    for exchange_s, windows in ((30.0, 2), (10.0, 3)):
+        chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+        choices = [chooser.observe(window("average", exchange_s), settings, t) for t in range(windows)]
+        assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
+    # A reading that is clear but changes its mind is not: the count starts over as before.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    assert chooser.observe(slow, {}, 0) is None
+    assert chooser.observe(window("allreduce", 0.01), {}, 1) is None
+    assert chooser.observe(slow, {}, 2) is None
+    assert chooser.observe(slow, {}, 3).strategy == "average"
 
 
 def test_a_link_at_the_edge_does_not_flap():

@@ -6,8 +6,9 @@ averaging exchange under `average`, the round trip of a push under the parameter
 `Chooser.observe` turns a stream of windows into at most one decision per condition: a `Choice` with the
 strategy, its settings, the factor for the learning rate (README: the lr means something else after a
 switch) and a one-line reason with the measurements. Hysteresis: the thresholds to enter and to leave a
-choice differ, a choice must be seen in `confirm` windows in a row, and switches are `min_interval_s`
-apart. The supervisor applies a choice with the live switch; tests/test_auto.py holds the table.
+choice differ, a choice must be seen in `confirm` windows in a row (one fewer for a link reading far past
+its threshold: `clear`), and switches are `min_interval_s` apart. The supervisor applies a choice with
+the live switch; tests/test_auto.py holds the table.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ ALLREDUCE_BELOW = 0.15  # it costs under 15% of a step: allreduce, exact
 STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's speed: asynchronous
 STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
 HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
+# A link-driven move whose reading is this far past its threshold (an exchange of 2 steps or more under
+# allreduce; a bf16 one past twice MAX_PERIOD) is confirmed one window sooner: at the edge three windows
+# keep a wavering link from flapping, but a link that fell from unlimited to 20 Mbit/s read 446 steps
+# against 64, and each window more is 2 s more of waiting on it (benchmarks/auto.py, changing link).
+CLEAR = 2.0
 MAX_PERIOD = 64  # also the link-bound threshold (`fitting`): entered at a bf16 exchange over this many steps,
 # left at a float32 one under it (half that in bf16), a band of 2x so a link at the edge does not flap
 
@@ -177,6 +183,18 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     return None
 
 
+def clear(window: Window, settings: dict[str, Any], strategy: str) -> bool:
+    """Whether a synchronous window's move to `strategy` is called for by a link reading CLEAR times past
+    the threshold that calls for it (the chooser then confirms it one window sooner)."""
+    steps = window.exchange_in_steps
+    if steps is None or window.strategy not in SYNCHRONOUS:
+        return False
+    if strategy == LINK_BOUND_STRATEGY:
+        bf16_steps = steps if settings.get("wire_dtype") == "bf16" else steps / 2
+        return bf16_steps > CLEAR * MAX_PERIOD
+    return window.strategy == "allreduce" and strategy == "average" and steps >= CLEAR * AVERAGE_ABOVE
+
+
 def recovered_spread(recent: list[dict[int, float]], straggler: tuple[int, float] | None) -> float:
     """How even the workers are again, judged while asynchronous over the `recent` windows' compute times
     per step (oldest first): the better of two readings, each robust to the seconds-long swings of
@@ -197,7 +215,7 @@ def recovered_spread(recent: list[dict[int, float]], straggler: tuple[int, float
 
 class Chooser:
     """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
-    times in a row first."""
+    times in a row first (one fewer where the link reading is `clear`)."""
 
     RECENT = 3  # windows whose medians judge a recovery
 
@@ -232,7 +250,8 @@ class Chooser:
         key = (strategy,) if strategy != window.strategy else (strategy, tuple(sorted(chosen.items())))
         self._seen = self._seen + 1 if key == self._candidate else 1
         self._candidate = key
-        if self._seen < self.confirm or now - self._last_choice_at < self.min_interval_s:
+        needed = max(1, self.confirm - 1) if clear(window, settings, strategy) else self.confirm
+        if self._seen < needed or now - self._last_choice_at < self.min_interval_s:
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
