@@ -71,9 +71,14 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
                         epochs=100_000, eval_every=20, seed=0, **sgd)
     set_condition(lab, condition)
     run = workbench.train(job, strategy, client=client, run_dir=scratch, checkpoint_every_s=None, **settings)
-    changer = None
+    changer, changed = None, []  # when the link fell (wall clock)
+
+    def lower_link() -> None:
+        lab.set_rate("20mbit")
+        changed.append(time.time())
+
     if condition == "changing":  # the link slows down halfway, while the run trains
-        changer = threading.Timer(arguments.change_after_s, lab.set_rate, args=("20mbit",))
+        changer = threading.Timer(arguments.change_after_s, lower_link)
         changer.start()
     hit, began = None, time.monotonic()
     try:
@@ -103,6 +108,9 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
     return {"seconds": float(hit["time"] - origin) if hit is not None else None, "limit_s": limit_s,
             "throughput": throughput,
             "steps": int(hit["step"]) if hit is not None else None,
+            # On the same clock as the decisions (seconds from the first step): the start of a run comes
+            # some seconds after `train` returns, and the link falls `--change-after-s` after that.
+            "link_changed_after_s": round(changed[0] - origin, 1) if changed else None,
             "decisions": [{"after_s": round(e["time"] - origin, 1), "to": e["to"], "settings": e["settings"],
                            "lr": e["lr"], "reason": e["reason"]} for e in run.events(kinds.AUTO_DECISION)],
             **sgd}
@@ -176,6 +184,7 @@ def main() -> None:
                             "auto_beats_every_fixed": beats_all,
                             "limits_s": {n: [c["limit_s"] for c in cells.get((condition, n), [])] for n in fixed},
                             "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])],
+                            "auto_link_changed_after_s": [c.get("link_changed_after_s") for c in cells.get((condition, "auto"), [])],
                             "throughput": {n: [c["throughput"] for c in cells.get((condition, n), [])]
                                            for n, _, _ in CONFIGS if (condition, n) in cells}}
         ratios[condition] = ratio

@@ -114,7 +114,7 @@ def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     assert chooser.observe(fast, {"period": 16}, 26).strategy == "allreduce"
 
 
-def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner():
+def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_held_back():
     # allreduce at 2 steps an exchange (4x the averaging threshold): two windows, not three.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
     slow = window("allreduce", 0.2)
@@ -127,6 +127,17 @@ def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner():
         chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
         choices = [chooser.observe(window("average", exchange_s), settings, t) for t in range(windows)]
         assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
+    # Nor is it held back by the switch before it (a period change just made): the link fell meanwhile.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    assert [chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
+    assert chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, 4).settings["period"] == 64
+    settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    assert chooser.observe(window("average", 30.0), settings, 6) is None
+    assert chooser.observe(window("average", 30.0), settings, 8).strategy == "easgd"  # 4 s after, not 12
+    # The way back is spaced as usual: an even, fast link right after is not taken before 8 s.
+    fast = window("easgd", 0.01)
+    assert [chooser.observe(fast, {"period": 16}, t) for t in (10, 12, 14)] == [None] * 3
+    assert chooser.observe(fast, {"period": 16}, 16).strategy == "allreduce"
     # A reading that is clear but changes its mind is not: the count starts over as before.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
     assert chooser.observe(slow, {}, 0) is None

@@ -6,8 +6,8 @@ averaging exchange under `average`, the round trip of a push under the parameter
 `Chooser.observe` turns a stream of windows into at most one decision per condition: a `Choice` with the
 strategy, its settings, the factor for the learning rate (README: the lr means something else after a
 switch) and a one-line reason with the measurements. Hysteresis: the thresholds to enter and to leave a
-choice differ, a choice must be seen in `confirm` windows in a row (one fewer for a link reading far past
-its threshold: `clear`), and switches are `min_interval_s` apart. The supervisor applies a choice with
+choice differ, a choice must be seen in `confirm` windows in a row, and switches are `min_interval_s`
+apart (a link reading far past its threshold, `clear`, needs one window fewer and may come sooner). The supervisor applies a choice with
 the live switch; tests/test_auto.py holds the table.
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def recovered_spread(recent: list[dict[int, float]], straggler: tuple[int, float
 
 class Chooser:
     """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
-    times in a row first (one fewer where the link reading is `clear`)."""
+    times in a row first (where the link reading is `clear`: one fewer, and not held back)."""
 
     RECENT = 3  # windows whose medians judge a recovery
 
@@ -250,8 +250,12 @@ class Chooser:
         key = (strategy,) if strategy != window.strategy else (strategy, tuple(sorted(chosen.items())))
         self._seen = self._seen + 1 if key == self._candidate else 1
         self._candidate = key
-        needed = max(1, self.confirm - 1) if clear(window, settings, strategy) else self.confirm
-        if self._seen < needed or now - self._last_choice_at < self.min_interval_s:
+        # A clear link reading is also not held back by the last switch: it moves away from the link
+        # (averaging, easgd), and the way back is still confirmed and spaced as usual, so it cannot flap.
+        # Measured: a move to period 64 (unlimited) held the move to easgd after the link fell for 8 s.
+        obvious = clear(window, settings, strategy)
+        needed = max(1, self.confirm - 1) if obvious else self.confirm
+        if self._seen < needed or (now - self._last_choice_at < self.min_interval_s and not obvious):
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
