@@ -7,8 +7,8 @@ averaging exchange under `average`, the round trip of a push under the parameter
 strategy, its settings, the factor for the learning rate (README: the lr means something else after a
 switch) and a one-line reason with the measurements. Hysteresis: the thresholds to enter and to leave a
 choice differ, a choice must be seen in `confirm` windows in a row, and switches are `min_interval_s`
-apart (a link reading far past its threshold, `clear`, needs one window fewer and may come sooner). The supervisor applies a choice with
-the live switch; tests/test_auto.py holds the table.
+apart (a link reading far past its threshold, `clear`, needs one window fewer and is not held back).
+The supervisor applies a choice with the live switch; tests/test_auto.py holds the table.
 """
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
 
 def clear(window: Window, settings: dict[str, Any], strategy: str) -> bool:
     """Whether a synchronous window's move to `strategy` is called for by a link reading CLEAR times past
-    the threshold that calls for it (the chooser then confirms it one window sooner)."""
+    the threshold that calls for it (the chooser then confirms it one window sooner, and does not hold
+    it back for the last switch)."""
     steps = window.exchange_in_steps
     if steps is None or window.strategy not in SYNCHRONOUS:
         return False
