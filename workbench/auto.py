@@ -128,6 +128,11 @@ def _averaging(exchange_in_steps: float, settings: dict[str, Any]) -> tuple[dict
     return chosen, f"average, period {period}, overlapped" + (", bf16 on the wire" if bf16 else "")
 
 
+def _in_bf16(steps: float, settings: dict[str, Any]) -> float:
+    """An exchange's cost in steps as it would be in bf16 on the wire (half a float32 one's bytes)."""
+    return steps if settings.get("wire_dtype") == "bf16" else steps / 2
+
+
 def _lr_factor(current: str, chosen: str, workers: int) -> float:
     """Under `async` and `ssp` every push is applied in full: about `workers` times the step of a
     synchronous strategy at the same lr (measured, README); the lr follows a move to them, and back (`auto`
@@ -156,8 +161,7 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return None  # still uneven: stay asynchronous
     if steps is None:
         return None
-    bf16_steps = steps if settings.get("wire_dtype") == "bf16" else steps / 2
-    if not asynchronous and bf16_steps > MAX_PERIOD:
+    if not asynchronous and _in_bf16(steps, settings) > MAX_PERIOD:
         return (LINK_BOUND_STRATEGY, {"period": LINK_BOUND_PERIOD},
                 f"an exchange costs {steps:.0f} steps of compute, more than period {MAX_PERIOD} hides even in bf16: "
                 f"{LINK_BOUND_STRATEGY}, period {LINK_BOUND_PERIOD} (only the workers behind the slow link wait, each on its own)")
@@ -191,8 +195,7 @@ def clear(window: Window, settings: dict[str, Any], strategy: str) -> bool:
     if steps is None or window.strategy not in SYNCHRONOUS:
         return False
     if strategy == LINK_BOUND_STRATEGY:
-        bf16_steps = steps if settings.get("wire_dtype") == "bf16" else steps / 2
-        return bf16_steps > CLEAR * MAX_PERIOD
+        return _in_bf16(steps, settings) > CLEAR * MAX_PERIOD
     return window.strategy == "allreduce" and strategy == "average" and steps >= CLEAR * AVERAGE_ABOVE
 
 
