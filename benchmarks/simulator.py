@@ -198,6 +198,7 @@ def median_points(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         middles = [c["start_s"] + max(c["span_s"].values()) / 2 for c in good if c.get("span_s")]
         if middles:
             point["window_middle_s"] = statistics.median(middles)
+            point["window_s"] = statistics.median(max(c["span_s"].values()) for c in good if c.get("span_s"))
     return list(points.values())
 
 
@@ -237,7 +238,7 @@ def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, A
         straggler = STRAGGLER_SHARE if condition == STRAGGLER else None
         predicted = simulate.predict(calibration, point["strategy"], point["settings"], point["workers"], link,
                                      straggler=straggler, cores=document["machine"]["cores"],
-                                     elapsed_s=point.get("window_middle_s"))
+                                     elapsed_s=point.get("window_middle_s"), window_s=point.get("window_s", 0.0))
         row = {"config": point["config"], "strategy": point["strategy"], "condition": condition,
                "workers": point["workers"], "measured_samples_per_s": point["samples_per_s"],
                "predicted_samples_per_s": predicted.samples_per_s,

@@ -238,3 +238,24 @@ def test_ssp_holds_the_faster_workers_only_once_the_gap_reached_its_bound():
     assert early.samples_per_s == pytest.approx(free.samples_per_s)
     assert late.samples_per_s == pytest.approx(predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6).samples_per_s)
     assert late.samples_per_s < free.samples_per_s / 3
+
+
+def test_ssp_over_a_window_is_free_until_the_bound_binds_and_held_after():
+    # A measurement over a window that the bound starts binding in sees both: the mean is free for the
+    # part before the gap reached max_staleness and held after, staleness weighted by each part's pushes.
+    cal = calibration()
+    free = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=0.0)
+    held = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6)
+    remote, beside = free.per_worker_samples_per_s[1], free.per_worker_samples_per_s[0]
+    apart = (beside - remote) / (cal.samples_per_step * 4)  # clocks per second
+    binds_at = 8 / apart
+    window = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=binds_at, window_s=2 * binds_at)
+    assert window.samples_per_s == pytest.approx((free.samples_per_s + held.samples_per_s) / 2, rel=1e-6)
+    pushes = free.samples_per_s, held.samples_per_s
+    assert window.staleness == pytest.approx(
+        (pushes[0] * free.staleness + pushes[1] * held.staleness) / sum(pushes), rel=1e-6)
+    # Wholly before or wholly after the bound binds: the one state alone.
+    before = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=binds_at / 4, window_s=binds_at / 4)
+    after = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=4 * binds_at, window_s=binds_at)
+    assert before.samples_per_s == pytest.approx(free.samples_per_s)
+    assert after.samples_per_s == pytest.approx(held.samples_per_s)

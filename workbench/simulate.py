@@ -255,13 +255,14 @@ class _Class:
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
             link_rate: float | None = None, straggler: float | None = None, cores: float | None = None,
-            host_cores: float = 2.0, elapsed_s: float | None = None) -> Prediction:
+            host_cores: float = 2.0, elapsed_s: float | None = None, window_s: float = 0.0) -> Prediction:
     """Predicted steady state of `strategy` with `settings` on `workers` workers (one per host) whose
     links run at `link_rate` bytes/s (None: unlimited). `straggler`: one host (the last) capped at that
     many cores. `cores`: all hosts share that many cores (the lab); None: each host has `host_cores`.
     `elapsed_s`: how long the run has trained (None: long enough for every steady state); SSP's gap
     grows at the difference of the workers' push rates and holds the faster ones only once it reaches
-    the bound."""
+    the bound. `window_s`: the prediction is the mean over that many seconds centred on `elapsed_s` (what a
+    measurement over a window sees: SSP free before the bound binds, held after)."""
     if strategy not in DEFAULTS:
         raise ValueError(f"strategy={strategy!r} is not allowed: expected one of {sorted(DEFAULTS)}")
     if not isinstance(workers, int) or workers < 1:
@@ -271,12 +272,48 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
     shards = min(values.get("shards", 0), workers) if strategy in SERVER_STRATEGIES else 0
     # A host's cap on all its processes' threads: its own cores on real hosts; none beyond the shared
     # pool on the lab, but the straggler's cgroup quota.
-    classes = _classes(workers, shards, straggler, host_cores if cores is None else math.inf)
-    model = _Model(calibration, strategy, values, workers, link, shards, classes)
-    model.elapsed_s = elapsed_s
-    _fit_speeds(model, cores)
-    model.evaluate()
-    return model.prediction()
+    host_cap = host_cores if cores is None else math.inf
+
+    def solved(binds: bool) -> _Model:
+        model = _Model(calibration, strategy, values, workers, link, shards,
+                       _classes(workers, shards, straggler, host_cap))
+        model.bound_binds = binds
+        _fit_speeds(model, cores)
+        model.evaluate()
+        return model
+
+    steady = solved(True)
+    if strategy != "ssp" or elapsed_s is None:
+        return steady.prediction()
+    # Before the faster workers' clocks are max_staleness ahead, SSP runs as `async`; from then on it holds
+    # them. The gap grows at the difference of the free push rates.
+    free = solved(False)
+    cycles = [group.cycle for group in free.classes]
+    apart = 1 / min(cycles) - 1 / max(cycles)  # clocks per second
+    binds_at = values["max_staleness"] / apart if apart > 0 else math.inf
+    start, end = max(0.0, elapsed_s - window_s / 2), elapsed_s + window_s / 2
+    share = (1.0 if start < binds_at else 0.0) if end <= start else min(1.0, max(0.0, (binds_at - start) / (end - start)))
+    return _blend(free.prediction(), steady.prediction(), share)
+
+
+def _blend(free: Prediction, held: Prediction, share: float) -> Prediction:
+    """The mean over a window of which `share` ran as `free` and the rest as `held`; staleness is a mean
+    over pushes, so each part's counts by its pushes (in proportion to its samples: same push_every)."""
+    if share >= 1.0 or share <= 0.0:
+        return free if share >= 1.0 else held
+
+    def mean(a: float, b: float) -> float:
+        return share * a + (1 - share) * b
+
+    pushes = (share * free.samples_per_s, (1 - share) * held.samples_per_s)
+    staleness = None
+    if free.staleness is not None and held.staleness is not None and sum(pushes) > 0:
+        staleness = (pushes[0] * free.staleness + pushes[1] * held.staleness) / sum(pushes)
+    return Prediction(samples_per_s=mean(free.samples_per_s, held.samples_per_s),
+                      comm_share=mean(free.comm_share, held.comm_share), staleness=staleness,
+                      per_worker_samples_per_s=tuple(mean(a, b) for a, b in zip(free.per_worker_samples_per_s,
+                                                                                 held.per_worker_samples_per_s)),
+                      cpu_speed=mean(free.cpu_speed, held.cpu_speed))
 
 
 def _classes(workers: int, shards: int, straggler: float | None, host_cap: float) -> list[_Class]:
@@ -337,7 +374,7 @@ class _Model:
         self.c, self.strategy, self.values, self.n = calibration, strategy, values, workers
         self.link, self.shards, self.classes = link, shards, classes
         self.staleness: float | None = None
-        self.elapsed_s: float | None = None
+        self.bound_binds = True  # SSP: whether the faster workers' clocks have reached the bound
         self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
 
     def evaluate(self) -> None:
@@ -434,11 +471,7 @@ class _Model:
         groups = self.classes
         slowest = max(g.cycle for g in groups)
         fastest = min(g.cycle for g in groups)
-        bound_reached = True
-        if self.strategy == "ssp" and self.elapsed_s is not None and fastest < slowest:
-            # Clocks apart after elapsed_s: the fastest worker's windows less the slowest one's.
-            bound_reached = self.elapsed_s * (1 / fastest - 1 / slowest) > self.values["max_staleness"]
-        if self.strategy == "ssp" and bound_reached and fastest < slowest * (1 - SSP_THROTTLE_TOLERANCE):
+        if self.strategy == "ssp" and self.bound_binds and fastest < slowest * (1 - SSP_THROTTLE_TOLERANCE):
             # The gap grows without end, so in steady state every faster worker sits at the bound, released
             # together by the slowest one's push; each refetches after its wait (no version missed then,
             # but those released with it), and the slowest sees one push of every other per cycle.
