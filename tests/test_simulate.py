@@ -259,3 +259,5 @@ def test_ssp_over_a_window_is_free_until_the_bound_binds_and_held_after():
     after = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=4 * binds_at, window_s=binds_at)
     assert before.samples_per_s == pytest.approx(free.samples_per_s)
     assert after.samples_per_s == pytest.approx(held.samples_per_s)
+    with pytest.raises(ValueError, match="window_s=-1"):
+        predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=1.0, window_s=-1)

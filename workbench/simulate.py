@@ -267,6 +267,8 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
         raise ValueError(f"strategy={strategy!r} is not allowed: expected one of {sorted(DEFAULTS)}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} is not allowed: expected an integer >= 1")
+    if not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s >= 0):
+        raise ValueError(f"window_s={window_s!r} is not allowed: expected seconds >= 0 (0: an instant)")
     values = {**DEFAULTS[strategy], **(settings or {})}
     link = math.inf if link_rate is None else link_rate * calibration.link_efficiency
     shards = min(values.get("shards", 0), workers) if strategy in SERVER_STRATEGIES else 0
@@ -292,7 +294,10 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
     apart = 1 / min(cycles) - 1 / max(cycles)  # clocks per second
     binds_at = values["max_staleness"] / apart if apart > 0 else math.inf
     start, end = max(0.0, elapsed_s - window_s / 2), elapsed_s + window_s / 2
-    share = (1.0 if start < binds_at else 0.0) if end <= start else min(1.0, max(0.0, (binds_at - start) / (end - start)))
+    if end <= start:  # an instant
+        share = 1.0 if start < binds_at else 0.0
+    else:
+        share = min(1.0, max(0.0, (binds_at - start) / (end - start)))
     return _blend(free.prediction(), steady.prediction(), share)
 
 
