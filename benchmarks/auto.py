@@ -12,8 +12,9 @@ after the fact. Each run also reports its throughput and mean staleness under ea
 with, which tells a strategy that is slow from one that learns less per sample. A
 fixed configuration stops once it has run `--cap` times the best fixed time seen so far in its condition
 (it cannot be the best; reported as "over N s"). The last line printed is one JSON object, also written to
-`benchmarks/results/auto-<label>.json`, with `worst_time_vs_best_fixed` (auto's largest ratio to the best
-fixed strategy over the conditions) and `changing_link_time_vs_best_fixed`.
+`benchmarks/results/auto-<label>.json` (rewritten after every run, `complete` false until the last), with
+`worst_time_vs_best_fixed` (auto's largest ratio to the best fixed strategy over the conditions) and
+`changing_link_time_vs_best_fixed`. A worker host whose worker did not rejoin gets a fresh one.
 
     python benchmarks/auto.py [--repeats 1] [--target 0.95] [--lr-scale 0.005] [--label cpu-2core]
 
@@ -24,10 +25,13 @@ about a minute, the stand-in for the longer jobs `auto` is for; every configurat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -57,6 +61,29 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def set_condition(lab: Any, condition: str) -> None:
     lab.set_rate("100mbit" if condition == "100mbit" else None)
     lab.set_cpu(STRAGGLER_HOST, STRAGGLER_SHARE if condition == "straggler" else None)
+
+
+def ensure_workers(lab: Any, client: Any, hosts: tuple[int, ...] = (1, 2)) -> None:
+    """Each worker host's `dask worker` back before the next run: a worker the nanny restarts (after a
+    run's stop on a slow link) sometimes never rejoins (seen twice in 2026-11-24's runs), and one cell
+    then lost the whole benchmark. Such a host gets a fresh `dask worker`, said so on stdout."""
+    from urllib.parse import urlparse
+
+    try:
+        client.wait_for_workers(len(hosts), timeout=60)
+        return
+    except TimeoutError:
+        pass
+    present = {urlparse(address).hostname for address in client.scheduler_info()["workers"]}
+    for host in hosts:
+        if lab.addresses[host] not in present:
+            print(f"host {host}'s worker did not come back within 60 s: a fresh one", flush=True)
+            for _, process in [(h, p) for h, p in lab.processes if h == host and "distributed.cli.dask_worker" in p.args]:
+                with contextlib.suppress(ProcessLookupError):  # the nanny and its worker: one process group
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+            lab.start_worker(host)
+    client.wait_for_workers(len(hosts), timeout=120)
 
 
 def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], condition: str,
@@ -116,6 +143,53 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
             **sgd}
 
 
+def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: list[str],
+              arguments: argparse.Namespace, complete: bool) -> dict[str, Any]:
+    """The result so far: per condition each configuration's median time, the best fixed one and auto's
+    ratio to it. Written after every cell (`complete` false until the last), so a run cut short keeps
+    what it measured."""
+    def median_s(condition: str, name: str) -> float | None:
+        runs = cells.get((condition, name), [])
+        times = [c["seconds"] for c in runs if c["seconds"] is not None]
+        return statistics.median(times) if runs and len(times) == len(runs) else None
+
+    table, ratios = {}, {}
+    for condition in conditions:
+        fixed = {name: median_s(condition, name) for name, _, _ in CONFIGS if name != "auto"}
+        reached = {name: s for name, s in fixed.items() if s is not None}
+        best = min(reached, key=reached.get) if reached else None
+        auto_s = median_s(condition, "auto")
+        ratio = auto_s / reached[best] if best and auto_s is not None else None
+        # A capped configuration took longer than its limit: auto beats it if it got there within that.
+        beats_all = auto_s is not None and all(
+            (s is not None and auto_s < s) or (s is None and auto_s < min(c["limit_s"] for c in cells[(condition, n)]))
+            for n, s in fixed.items() if (condition, n) in cells)
+        table[condition] = {"seconds": {**fixed, "auto": auto_s}, "best_fixed": best, "auto_vs_best_fixed": ratio,
+                            "auto_beats_every_fixed": beats_all,
+                            "limits_s": {n: [c["limit_s"] for c in cells.get((condition, n), [])] for n in fixed},
+                            "auto_seconds": [c["seconds"] for c in cells.get((condition, "auto"), [])],
+                            "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])],
+                            "auto_link_changed_after_s": [c.get("link_changed_after_s") for c in cells.get((condition, "auto"), [])],
+                            "throughput": {n: [c["throughput"] for c in cells.get((condition, n), [])]
+                                           for n, _, _ in CONFIGS if (condition, n) in cells}}
+        ratios[condition] = ratio
+    known = [r for r in ratios.values() if r is not None]
+    return {"machine": f"{platform.machine()}, 2 worker hosts on one VM", "date": datetime.date.today().isoformat(),
+            "complete": complete, "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
+            "worst_time_vs_best_fixed": max(known) if known and len(known) == len(ratios) else None,
+            "changing_link_time_vs_best_fixed": ratios.get("changing"),
+            "changing_link_beats_every_fixed": table["changing"]["auto_beats_every_fixed"] if "changing" in table else None,
+            "lr_scale": arguments.lr_scale, "hidden": arguments.hidden}
+
+
+def save(result: dict[str, Any], label: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"auto-{label}.json"
+    staged = path.with_suffix(".json.tmp")  # atomic: a run stopped mid-write keeps the last whole file
+    staged.write_text(json.dumps(result, indent=1))
+    staged.replace(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -154,7 +228,7 @@ def main() -> None:
                 for name in [n for n in [*LIKELY_BEST[condition], "auto"] if n in wanted]:
                     strategy, settings = configs[name]
                     limit = arguments.max_s if name == "auto" else min(arguments.max_s, arguments.cap * best)
-                    client.wait_for_workers(2, timeout=60)
+                    ensure_workers(lab, client)
                     result = to_target(lab, client, strategy, settings, condition, arguments, Path(scratch), limit)
                     cells.setdefault((condition, name), []).append(result)
                     if name != "auto" and result["seconds"] is not None:
@@ -162,47 +236,17 @@ def main() -> None:
                     shown = f"{result['seconds']:.1f}" if result["seconds"] is not None else f"over {limit:.0f}"
                     print(f"repeat {repeat + 1}: {condition:9s} {name:12s} {shown:>9} s "
                           f"{[d['reason'] for d in result['decisions']]} {result['throughput']}", flush=True)
+                    save(summarize(cells, conditions, arguments, complete=False), arguments.label)
         client.close()
 
-    def median_s(condition: str, name: str) -> float | None:
-        runs = cells.get((condition, name), [])
-        times = [c["seconds"] for c in runs if c["seconds"] is not None]
-        return statistics.median(times) if runs and len(times) == len(runs) else None
-
-    table, ratios = {}, {}
-    for condition in conditions:
-        fixed = {name: median_s(condition, name) for name, _, _ in CONFIGS if name != "auto"}
-        reached = {name: s for name, s in fixed.items() if s is not None}
-        best = min(reached, key=reached.get) if reached else None
-        auto_s = median_s(condition, "auto")
-        ratio = auto_s / reached[best] if best and auto_s is not None else None
-        # A capped configuration took longer than its limit: auto beats it if it got there within that.
-        beats_all = auto_s is not None and all(
-            (s is not None and auto_s < s) or (s is None and auto_s < min(c["limit_s"] for c in cells[(condition, n)]))
-            for n, s in fixed.items() if (condition, n) in cells)
-        table[condition] = {"seconds": {**fixed, "auto": auto_s}, "best_fixed": best, "auto_vs_best_fixed": ratio,
-                            "auto_beats_every_fixed": beats_all,
-                            "limits_s": {n: [c["limit_s"] for c in cells.get((condition, n), [])] for n in fixed},
-                            "auto_decisions": [c["decisions"] for c in cells.get((condition, "auto"), [])],
-                            "auto_link_changed_after_s": [c.get("link_changed_after_s") for c in cells.get((condition, "auto"), [])],
-                            "throughput": {n: [c["throughput"] for c in cells.get((condition, n), [])]
-                                           for n, _, _ in CONFIGS if (condition, n) in cells}}
-        ratios[condition] = ratio
+    result = summarize(cells, conditions, arguments, complete=True)
+    save(result, arguments.label)
     print(f"\n{'condition':10s} " + " ".join(f"{name:>12s}" for name, _, _ in CONFIGS) + "   auto/best")
-    for condition, row in table.items():
+    for condition, row in result["conditions"].items():
         cells_text = " ".join(f"{row['seconds'][name]:12.1f}" if row["seconds"][name] is not None else f"{'-':>12s}"
                               for name, _, _ in CONFIGS)
         ratio = row["auto_vs_best_fixed"]
         print(f"{condition:10s} {cells_text}   {ratio:.2f} ({row['best_fixed']})" if ratio else f"{condition:10s} {cells_text}   -")
-    known = [r for r in ratios.values() if r is not None]
-    result = {"machine": f"{platform.machine()}, 2 worker hosts on one VM", "date": datetime.date.today().isoformat(),
-              "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
-              "worst_time_vs_best_fixed": max(known) if len(known) == len(ratios) else None,
-              "changing_link_time_vs_best_fixed": ratios.get("changing"),
-              "changing_link_beats_every_fixed": table["changing"]["auto_beats_every_fixed"] if "changing" in table else None,
-              "lr_scale": arguments.lr_scale, "hidden": arguments.hidden}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"auto-{arguments.label}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "conditions"}))
 
 

@@ -85,6 +85,7 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
     # themselves. The straggler's own speed, against what the others had when it was called a straggler,
     # says it recovered.
     chooser = Chooser(workers=4, confirm=2, min_interval_s=0)
+    chooser.choices = 1  # not the run's first choice: confirmed in `confirm` windows
     chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 0)
     assert chose is None  # confirm=2: seen once
     chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 1)
@@ -104,14 +105,18 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
 def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
     slow = window("allreduce", 0.07)  # 0.7 steps: averaging, but near its threshold (0.5)
-    assert chooser.observe(slow, {}, 0) is None and chooser.observe(slow, {}, 1) is None
-    assert chooser.observe(window("allreduce", 0.01), {}, 2) is None  # the condition went away: start over
-    assert [chooser.observe(slow, {}, t) for t in (3, 4)] == [None, None]
-    assert chooser.observe(slow, {}, 5).strategy == "average"
-    # Another condition right after: confirmed, but not before min_interval_s has passed.
-    fast = window("average", 0.001)
-    assert [chooser.observe(fast, {"period": 16}, t) for t in (6, 7, 8, 20)] == [None] * 4
-    assert chooser.observe(fast, {"period": 16}, 26).strategy == "allreduce"
+    # The first move away from the start: confirm - 1 windows (nothing to flap back to).
+    assert chooser.observe(slow, {}, 0) is None
+    assert chooser.observe(window("allreduce", 0.01), {}, 1) is None  # the condition went away: start over
+    assert chooser.observe(slow, {}, 2) is None
+    assert chooser.observe(slow, {}, 3).strategy == "average"
+    # Another condition right after: three windows, and not before min_interval_s has passed.
+    back = window("average", 0.001)
+    assert [chooser.observe(back, {"period": 16}, t) for t in (4, 5, 6, 22)] == [None] * 4
+    assert chooser.observe(back, {"period": 16}, 23).strategy == "allreduce"
+    slow = window("allreduce", 0.07)  # any later move needs all three
+    assert [chooser.observe(slow, {}, t) for t in (44, 45)] == [None, None]
+    assert chooser.observe(slow, {}, 46).strategy == "average"
 
 
 def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_held_back():
@@ -125,10 +130,12 @@ def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_he
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
     for exchange_s, windows in ((30.0, 2), (10.0, 3)):
         chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+        chooser.choices = 1  # averaging was chosen before
         choices = [chooser.observe(window("average", exchange_s), settings, t) for t in range(windows)]
         assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
     # Nor is it held back by the switch before it (a period change just made): the link fell meanwhile.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    chooser.choices = 1
     assert [chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
     assert chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, 4).settings["period"] == 64
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
@@ -253,10 +260,9 @@ def test_a_move_is_confirmed_by_its_strategy_though_the_fitting_period_wavers():
     # next. The move to 'average' is confirmed by three windows all the same, with the last one's period.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
     chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0)
-    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 1)
-    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 2).strategy == "easgd"
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 1).strategy == "easgd"
     choices = [chooser.observe(window("easgd", exchange_s), {"period": 16}, t)
-               for t, exchange_s in enumerate([0.2, 0.4, 0.2], start=3)]
+               for t, exchange_s in enumerate([0.2, 0.4, 0.2], start=2)]
     assert choices[:2] == [None, None]
     assert (choices[2].strategy, choices[2].settings) == ("average", {"period": 32, "overlap": True})
 
@@ -265,6 +271,7 @@ def test_a_window_where_no_exchange_landed_neither_confirms_nor_clears_a_candida
     # On a slow link an exchange may take longer than a window, and a window may hold too few steps to
     # judge (None): such windows leave the count as it was.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    chooser.choices = 1  # averaging was chosen before
     slow, unknown = window("average", 7.0, rates=EVEN), window("average", None, rates=EVEN)
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
     assert [chooser.observe(w, settings, t) for t, w in enumerate([slow, unknown, slow, None])] == [None] * 4
