@@ -261,3 +261,20 @@ def test_ssp_over_a_window_is_free_until_the_bound_binds_and_held_after():
     assert after.samples_per_s == pytest.approx(held.samples_per_s)
     with pytest.raises(ValueError, match="window_s=-1"):
         predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=1.0, window_s=-1)
+
+
+def test_the_shard_link_carries_one_flow_half_duplex_and_more_flows_partly_both_ways():
+    # A worker's push and its reply take turns (the reply answers the push); other workers' flows fill the
+    # other direction, all but 1/sqrt(flows) of the smaller one (3 flows on the lab's sockets: 0.6 each way).
+    cal, link = calibration(link_efficiency=1.0), 12.5e6  # 100 Mbit/s: the others wait on the shard's link
+    one = predict(cal, "async", {"push_every": 4}, 2, link).per_worker_samples_per_s[1]
+    assert one < 128 * 4 / (2 * MODEL_BYTES / link)  # one flow: its own round trip, both ways in turn
+    for workers in (3, 4):
+        flows = workers - 1
+        crossing = flows * MODEL_BYTES * (1 + 1 / math.sqrt(flows)) / link
+        across = predict(cal, "async", {"push_every": 4}, workers, link).per_worker_samples_per_s[1]
+        assert across == pytest.approx(128 * 4 / crossing)
+    # With compressed pushes the larger direction (replies in float32) is the one that is not hidden.
+    topk = predict(cal, "async", {"push_every": 4, "compression": "fp16", "reply_compression": "none"}, 4, link)
+    crossing = 3 * (MODEL_BYTES + MODEL_BYTES / 2 / math.sqrt(3)) / link
+    assert topk.per_worker_samples_per_s[1] == pytest.approx(128 * 4 / crossing)
