@@ -78,7 +78,7 @@ def ensure_workers(lab: Any, client: Any, hosts: tuple[int, ...] = (1, 2)) -> No
     for host in hosts:
         if lab.addresses[host] not in present:
             print(f"host {host}'s worker did not come back within 60 s: a fresh one", flush=True)
-            for _, process in [(h, p) for h, p in lab.processes if h == host and "distributed.cli.dask_worker" in p.args]:
+            for process in [p for h, p in lab.processes if h == host and "distributed.cli.dask_worker" in p.args]:
                 with contextlib.suppress(ProcessLookupError):  # the nanny and its worker: one process group
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)

@@ -334,7 +334,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
     parser.add_argument("--label", default=None, help="JSON to benchmarks/results/simulator-LABEL.json "
-                                                      "(default cpu-<cores>core-<date>; --quick saves only with one)")
+                                                      "(default cpu-<cores>core-<date>, with --from the file read; "
+                                                      "--quick saves only with one)")
     parser.add_argument("--from", dest="source", default=None,
                         help="predict again from a saved result's calibration records and points (no lab)")
     parser.add_argument("--calibrate-with", default=CALIBRATION_RUNS[0][0],
@@ -361,7 +362,9 @@ def main() -> None:
     print("\n" + markdown_table(document))
     label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
     if arguments.source or not (arguments.quick and arguments.label is None):
-        path = RESULTS / f"simulator-{label}.json"
+        # Predicted again: back into the file it came from, unless a label names another. (By the default
+        # label, two files measured the same day wrote each other's name: one was lost, 2026-11-25.)
+        path = Path(arguments.source) if arguments.source and not arguments.label else RESULTS / f"simulator-{label}.json"
         path.write_text(json.dumps(network._rounded(document), indent=1) + "\n")
         print(f"\nwritten to {path}")
     summary = {k: document[k] for k in ("max_throughput_error", "max_throughput_error_at", "median_throughput_error",

@@ -13,6 +13,15 @@ def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
     return Window(strategy, {w: compute_s * fastest / rate for w, rate in rates.items()}, dict(rates), exchange_s)
 
 
+def past_its_first_choice(chooser):
+    """`chooser` after a real first choice long ago (allreduce -> average), so that any later move needs
+    `confirm` windows: the first move away from the start needs one fewer."""
+    for t in range(chooser.confirm):
+        if chooser.observe(window("allreduce", 0.2), {}, t - 1000) is not None:
+            return chooser
+    raise AssertionError("no first choice")
+
+
 @pytest.mark.parametrize("strategy,settings,exchange_s,rates,expected", [
     # A link that costs half a step or more per exchange: averaging, with a period that hides it.
     ("allreduce", {}, 0.05, EVEN, ("average", {"period": 8, "overlap": True})),
@@ -84,8 +93,7 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
     # Under easgd nobody waits: the others run flat out on shared cores and measure unevenly among
     # themselves. The straggler's own speed, against what the others had when it was called a straggler,
     # says it recovered.
-    chooser = Chooser(workers=4, confirm=2, min_interval_s=0)
-    chooser.choices = 1  # not the run's first choice: confirmed in `confirm` windows
+    chooser = past_its_first_choice(Chooser(workers=4, confirm=2, min_interval_s=0))
     chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 0)
     assert chose is None  # confirm=2: seen once
     chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 1)
@@ -129,13 +137,11 @@ def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_he
     # easgd after two windows; one of 100 steps (past 64, under 128) after three.
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
     for exchange_s, windows in ((30.0, 2), (10.0, 3)):
-        chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
-        chooser.choices = 1  # averaging was chosen before
+        chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
         choices = [chooser.observe(window("average", exchange_s), settings, t) for t in range(windows)]
         assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
     # Nor is it held back by the switch before it (a period change just made): the link fell meanwhile.
-    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
-    chooser.choices = 1
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=8))
     assert [chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
     assert chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, 4).settings["period"] == 64
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
@@ -270,8 +276,7 @@ def test_a_move_is_confirmed_by_its_strategy_though_the_fitting_period_wavers():
 def test_a_window_where_no_exchange_landed_neither_confirms_nor_clears_a_candidate():
     # On a slow link an exchange may take longer than a window, and a window may hold too few steps to
     # judge (None): such windows leave the count as it was.
-    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
-    chooser.choices = 1  # averaging was chosen before
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
     slow, unknown = window("average", 7.0, rates=EVEN), window("average", None, rates=EVEN)
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
     assert [chooser.observe(w, settings, t) for t, w in enumerate([slow, unknown, slow, None])] == [None] * 4

@@ -228,8 +228,7 @@ class Chooser:
         self.workers, self.confirm, self.min_interval_s = workers, confirm, min_interval_s
         self._candidate: tuple[str, tuple[tuple[str, Any], ...]] | None = None
         self._seen = 0
-        self._last_choice_at = -math.inf
-        self.choices = 0  # made so far
+        self._last_choice_at = -math.inf  # none yet: the next choice is the run's first
         self.spread: float | None = None  # what the last decision was judged by
         self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
         self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
@@ -263,11 +262,11 @@ class Chooser:
         # The first move away from the start is also confirmed one window sooner: there is no earlier
         # choice to flap back to, and each window more is 2 s more under allreduce while it does not fit
         # (measured: a third of the time `auto` lost to the best fixed strategy, unlimited and straggler).
-        needed = max(1, self.confirm - 1) if obvious or not self.choices else self.confirm
+        first = self._last_choice_at == -math.inf
+        needed = max(1, self.confirm - 1) if obvious or first else self.confirm
         if self._seen < needed or (now - self._last_choice_at < self.min_interval_s and not obvious):
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
-        self.choices += 1
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
             others = [t for w, t in window.compute_s.items() if w != window.slowest]
             self.straggler = (window.slowest, statistics.median(others)) if others else None

@@ -284,9 +284,8 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
         model.evaluate()
         return model
 
-    steady = solved(True)
     if strategy != "ssp" or elapsed_s is None:
-        return steady.prediction()
+        return solved(True).prediction()
     # Before the faster workers' clocks are max_staleness ahead, SSP runs as `async`; from then on it holds
     # them. The gap grows at the difference of the free push rates.
     free = solved(False)
@@ -298,14 +297,16 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
         share = 1.0 if start < binds_at else 0.0
     else:
         share = min(1.0, max(0.0, (binds_at - start) / (end - start)))
-    return _blend(free.prediction(), steady.prediction(), share)
+    if share >= 1.0:  # the window ends before the bound binds: the held state is not needed
+        return free.prediction()
+    return _blend(free.prediction(), solved(True).prediction(), share)
 
 
 def _blend(free: Prediction, held: Prediction, share: float) -> Prediction:
     """The mean over a window of which `share` ran as `free` and the rest as `held`; staleness is a mean
     over pushes, so each part's counts by its pushes (in proportion to its samples: same push_every)."""
-    if share >= 1.0 or share <= 0.0:
-        return free if share >= 1.0 else held
+    if share <= 0.0:
+        return held
 
     def mean(a: float, b: float) -> float:
         return share * a + (1 - share) * b
@@ -457,7 +458,7 @@ class _Model:
             group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
-        crossing = (self.n - 1) * _duplex(push, reply, self.n - 1) / shards / self.link
+        crossing = (n - 1) * _duplex(push, reply, n - 1) / shards / self.link
         for group in self.classes:
             if not group.holds_shard or shards > 1:
                 group.cycle = max(group.cycle, crossing)
