@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -42,6 +43,7 @@ from typing import Any
 
 import cloudpickle
 
+log = logging.getLogger("workbench.autopilot")  # --verbose: beside auto's judgements, on one clock
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
            ("average p64", "average", {"period": 64, "overlap": True}),
@@ -132,6 +134,7 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
         throughput[name] = {"samples_per_s": round(float(part["samples"].sum() / span), 1) if span > 0 else None,
                             "staleness": round(float(part["staleness"].mean()), 2)
                             if "staleness" in part and part["staleness"].notna().any() else None}
+    log.debug("the first step at %.1f", origin)
     return {"seconds": float(hit["time"] - origin) if hit is not None else None, "limit_s": limit_s,
             "throughput": throughput,
             "steps": int(hit["step"]) if hit is not None else None,
@@ -139,8 +142,23 @@ def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], co
             # some seconds after `train` returns, and the link falls `--change-after-s` after that.
             "link_changed_after_s": round(changed[0] - origin, 1) if changed else None,
             "decisions": [{"after_s": round(e["time"] - origin, 1), "to": e["to"], "settings": e["settings"],
+                           "effective_after_s": _effective_after_s(frame, e, origin),
                            "lr": e["lr"], "reason": e["reason"]} for e in run.events(kinds.AUTO_DECISION)],
+            # Each worker's side of each switch: when it was made and how long the worker spent in it.
+            "switched": [{"worker": e.get("worker"), "after_s": round(e["time"] - origin, 1), "to": e.get("to"),
+                          "took_s": round(e.get("took_s") or 0.0, 2), "parts_s": e.get("parts_s")}
+                         for e in run.events(kinds.SWITCHED)],
             **sgd}
+
+
+def _effective_after_s(frame: Any, decision: dict[str, Any], origin: float) -> float | None:
+    """When a decision took effect: every worker's first step under the new strategy after it (seconds
+    from the first step; None if a worker never trained under it)."""
+    later = frame[(frame["time"] >= decision["time"]) & (frame["strategy"] == decision["to"])]
+    firsts = later.groupby("worker")["time"].min()
+    if len(firsts) < frame["worker"].nunique():
+        return None
+    return round(float(firsts.max()) - origin, 1)
 
 
 def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: list[str],
@@ -203,7 +221,11 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(name for name, _, _ in CONFIGS),
                         help="which configurations to run (a subset: e.g. auto alone after a change to it)")
     parser.add_argument("--label", default="cpu-2core")
+    parser.add_argument("--verbose", action="store_true", help="log what each of auto's judgements saw")
     arguments = parser.parse_args()
+    if arguments.verbose:
+        logging.basicConfig(format="%(created).1f %(message)s")
+        logging.getLogger("workbench.autopilot").setLevel(logging.DEBUG)
     from workbench import lab as labs
 
     reason = labs.available()
@@ -235,7 +257,10 @@ def main() -> None:
                         best = min(best, result["seconds"])
                     shown = f"{result['seconds']:.1f}" if result["seconds"] is not None else f"over {limit:.0f}"
                     print(f"repeat {repeat + 1}: {condition:9s} {name:12s} {shown:>9} s "
-                          f"{[d['reason'] for d in result['decisions']]} {result['throughput']}", flush=True)
+                          f"{[(d['after_s'], d['effective_after_s'], d['reason']) for d in result['decisions']]} "
+                          f"link fell at {result['link_changed_after_s']} s {result['throughput']}", flush=True)
+                    if arguments.verbose:
+                        print(f"switched: {result['switched']}", flush=True)
                     save(summarize(cells, conditions, arguments, complete=False), arguments.label)
         client.close()
 

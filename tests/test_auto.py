@@ -197,6 +197,65 @@ def test_a_window_is_measured_from_step_records():
     assert measure(records, "easgd").exchange_s == 2.0
     assert measure(records[:4], "allreduce") is None
 
+    # Only exchanges that landed after `since` (per worker) count: each is evidence once.
+    assert measure(records, "easgd", since={0: 100.35, 1: 100.75}).exchange_s == 0.5  # worker 1's new one: 0.1
+    assert measure(records, "easgd", since={0: 100.45, 1: 100.85}).exchange_s is None
+
+
+class _Run:
+    """The parts of a run `AutoPilot.tick` reads and calls, over a real `MetricsTable` fed a scripted
+    stream of step records (the pure decision path; the cluster's is in test_multihost.py)."""
+
+    def __init__(self):
+        from workbench.metrics import MetricsTable
+
+        self.status, self.strategy, self.settings = "running", "average", {"period": 64, "overlap": True}
+        self.worker_addresses, self.lr, self.table, self.switches = ["a", "b"], 0.1, MetricsTable(), []
+        self.feed = type("Feed", (), {"publish": lambda _, event: None})()
+
+    def set_lr(self, lr):
+        self.lr = lr
+
+    def switch(self, strategy, by_auto=False, **settings):
+        self.switches.append((strategy, settings))
+        self.strategy, self.settings = strategy, settings
+
+
+def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by_the_fast_ones_before():
+    """Averaging every 64 steps of 5 ms, overlapped; at t=20 s an exchange goes from 20 ms to 1.8 s (360
+    steps: past what bf16 at period 64 hides). Ticked every 0.1 s, judging every 2 s. The move must come
+    once two slow exchanges have landed (plus at most a window): an 8 s window that also held the fast
+    exchanges before the fall read as fast and cleared the first slow reading (measured on the lab:
+    10.3 s after the fall), and one slow exchange read in two windows must not confirm it alone."""
+    from workbench.autopilot import AutoPilot
+
+    run, pilot = _Run(), AutoPilot(workers=2)
+    pilot.chooser._last_choice_at = 0.0  # past its first move (p16 -> p64), as in the benchmark
+    fall, step_s, landed = 20.0, 0.005, {0: [], 1: []}
+    state = {w: {"step": 0, "since_sync": 0, "lands": None, "cost": None} for w in (0, 1)}
+    t = 0.0
+    while t < 40 and not run.switches:
+        t = round(t + step_s, 3)
+        records = []
+        for w, s in state.items():
+            record = {"kind": "step", "worker": w, "step": s["step"], "time": t + 0.001 * w, "samples": 32,
+                      "compute_s": step_s, "comm_s": 0.0, "comm_total_s": None, "loss": 1.0,
+                      "strategy": run.strategy}
+            if s["lands"] is not None and t >= s["lands"]:
+                record["comm_total_s"], s["lands"] = s["cost"], None
+                landed[w].append(t)
+            s["step"], s["since_sync"] = s["step"] + 1, s["since_sync"] + 1
+            if s["since_sync"] >= 64 and s["lands"] is None:
+                s["cost"] = 0.02 if t < fall else 1.8
+                s["lands"], s["since_sync"] = t + s["cost"], 0
+            records.append(record)
+        run.table.add(records)
+        if round(t / 0.1, 6) == int(round(t / 0.1, 6)):
+            pilot.tick(run, t)
+    slow = sorted(x for x in landed[0] if x > fall)
+    assert run.switches and run.switches[0][0] == "easgd", run.switches
+    assert len(slow) >= 2 and slow[1] <= t <= slow[1] + pilot.window_s + 0.01, (t, slow)
+
 
 # --- on a real 2-process cluster --------------------------------------------------------------------------
 

@@ -178,3 +178,19 @@ def test_replies_are_compressed_as_pushes_unless_reply_compression_says_otherwis
     assert make_settings("ssp", {"compression": "topk", "reply_compression": "none"}).replies()[0] == "none"
     assert make_settings("easgd", {"reply_compression": "fp16"}).replies()[0] == "fp16"
     assert make_settings("async", {}).replies()[0] == "none"
+
+
+def test_an_elastic_worker_that_never_fetched_is_mirrored_from_the_start_not_the_moved_center():
+    # A new shard's workers all hold the weights it was made of and skip the fetch (setup checks they
+    # do): one worker's exchanges move the center before the other's first, which must still be judged
+    # from where that worker really is.
+    start = randn(N, seed=1)
+    server, center = ElasticMirrors("none", start=start), start.clone()
+    for exchange in range(3):
+        server.exchange(0, center, encode(randn(N, seed=2 + exchange, scale=0.1), "none"), 0.5)
+    assert not torch.allclose(center, start)
+    before = center.clone()
+    progress = randn(N, seed=9, scale=0.01)
+    pull = decode(server.exchange(1, center, encode(progress, "none"), 0.5))
+    torch.testing.assert_close(pull, elastic_pull(start + progress, before, 0.5))
+    torch.testing.assert_close(center, before + pull)

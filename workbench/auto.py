@@ -91,8 +91,10 @@ class Choice:
     reason: str
 
 
-def measure(records: list[dict[str, Any]], strategy: str) -> Window | None:
-    """A window from step records (all workers, a few seconds of them); None when too few to judge."""
+def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float] | None = None) -> Window | None:
+    """A window from step records (all workers, a few seconds of them); None when too few to judge.
+    `since`: per worker, the time of the newest record an earlier window judged its exchange by; only
+    exchanges that landed after it count, so each exchange is evidence once (see `AutoPilot`)."""
     by_worker: dict[int, list[dict[str, Any]]] = {}
     for record in records:
         by_worker.setdefault(record["worker"], []).append(record)
@@ -107,7 +109,9 @@ def measure(records: list[dict[str, Any]], strategy: str) -> Window | None:
     # worker's decides: under easgd, workers behind a slow link exchange rarely, and a median over all
     # exchanges would be the fast ones'. A worker with none in the window: its exchange is not known yet.
     field = "comm_s" if strategy == "allreduce" else "comm_total_s"
-    costs = {w: [r[field] for r in steps if r.get(field) is not None] for w, steps in by_worker.items()}
+    since = since or {}
+    costs = {w: [r[field] for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
+             for w, steps in by_worker.items()}
     exchange = max(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
     return Window(strategy, compute, rates, exchange)
 

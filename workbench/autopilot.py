@@ -43,15 +43,24 @@ class AutoPilot:
         self.judged = 0  # windows judged so far (a test waits on it)
         self.last_window: Any = None  # what the last judgement saw
         self._next = 0.0
+        # Per worker, the newest record whose exchanges were judged. An exchange counts as evidence once:
+        # on a slow link one lands every few seconds, and an 8 s window that still held the fast ones
+        # from before the link fell read as fast and cleared the choice the slow one had begun to
+        # confirm; counted twice, a single slow exchange could confirm a move on its own.
+        self._since: dict[int, float] = {}
 
     def tick(self, run: Any, now: float) -> None:
         """Judge the last window when one is due; switch the run if the chooser says so."""
         if not self.on or run.status != "running" or now < self._next:
             return
         self._next = now + self.window_s
-        window = self._measure(run, self.window_s)
+        window, newest = self._measure(run, self.window_s)
         if window is None or window.exchange_s is None:
-            window = self._measure(run, max(self.window_s, WIDE_WINDOW_S)) or window
+            wide, wide_newest = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
+            if wide is not None:
+                window, newest = wide, wide_newest
+        if window is not None and window.exchange_s is not None:
+            self._since = newest  # the exchanges judged now are not evidence again
         choice = self.chooser.observe(window, run.settings, now)
         self.judged, self.last_window = self.judged + 1, window
         if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
@@ -76,11 +85,15 @@ class AutoPilot:
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
 
-    @staticmethod
-    def _measure(run: Any, seconds: float) -> Any:
+    def _measure(self, run: Any, seconds: float) -> tuple[Any, dict[int, float]]:
+        """The window of the last `seconds`, counting only exchanges not judged before, and each worker's
+        newest record in it."""
         workers = len(run.worker_addresses)
         records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy and r["worker"] < workers]
-        return measure(records, run.strategy)
+        newest: dict[int, float] = {}
+        for record in records:
+            newest[record["worker"]] = max(newest.get(record["worker"], record["time"]), record["time"])
+        return measure(records, run.strategy, self._since), newest
 
     def turn_on(self, run: Any) -> None:
         """Choose again from now on, judging afresh (what was measured before the pin is history)."""

@@ -97,9 +97,13 @@ class ElasticMirrors:
     center, which the next exchange's pull is computed from.
     """
 
-    def __init__(self, kind: str = "none", topk_ratio: float = 0.01, threshold_tau: float = 1e-3) -> None:
+    def __init__(self, kind: str = "none", topk_ratio: float = 0.01, threshold_tau: float = 1e-3,
+                 start: torch.Tensor | None = None) -> None:
         self.kind, self.topk_ratio, self.threshold_tau = kind, topk_ratio, threshold_tau
         self.mirrors: dict[int, torch.Tensor] = {}  # worker -> its weights, as the server knows them
+        # The weights the server was made of, which every worker holds at its start (`setup` checks):
+        # a worker's mirror until it fetches, so it need not fetch them (on a slow link, seconds).
+        self.start = None if start is None else start.detach().clone()
 
     def reply(self, worker: int, current: torch.Tensor, full: bool = True) -> Packet:
         """A fetch: the worker takes the center as its own weights (always in full: elastic averaging
@@ -110,11 +114,11 @@ class ElasticMirrors:
     def exchange(self, worker: int, center: torch.Tensor, packet: Packet, alpha: float) -> Packet:
         """Add the worker's progress `packet` to its mirror, move `center` (in place) by the elastic pull,
         and return the pull the worker subtracts from its weights."""
-        # A worker that never fetched holds the weights the server was made of, the center until the first
-        # exchange (workers fetch at their start, so a center moved meanwhile is not mistaken for theirs).
+        # A worker that never fetched holds the weights the server was made of (`start`; without one, the
+        # center, which is only right before the first exchange moves it).
         mirror = self.mirrors.get(worker)
         if mirror is None:  # not setdefault: its default (a clone of the whole shard) would be made every call
-            mirror = self.mirrors[worker] = center.clone()
+            mirror = self.mirrors[worker] = (self.start if self.start is not None else center).clone()
         add_decoded(mirror, packet)
         pull = elastic_pull(mirror, center, alpha)
         center += pull

@@ -13,6 +13,8 @@ import dataclasses
 import time
 from typing import Any
 
+import torch
+
 from . import collectives, kinds
 from .averaging import fingerprint, flatten
 from .control import ControlPoller, ControlState
@@ -231,11 +233,23 @@ class ControlPoint:
         loop = self.loop
         request, context, old = self.pending, loop.context, loop.strategy
         started = time.perf_counter()
+        parts: dict[str, float] = {}  # where the switch's time went (on a slow link: the exchanges in it)
+
+        marks = [started]
+
+        def lap(part: str) -> None:
+            marks.append(time.perf_counter())
+            parts[part] = round(marks[-1] - marks[-2], 3)
+
         before = fingerprint(flatten(list(context.model.parameters())))
         old.finish(context)  # common weights: averaged, or the server's
-        carried = old.carry_out(context)
+        lap("finish")
+        carried = old.carry_out(context, own_state=old.own_optimizer_states and
+                                get_strategy(request.strategy).own_optimizer_states)
+        lap("carry_out")
         loop.comm.barrier()  # every rank holds the carried state before the old services go
         old.close()
+        lap("close")
         settings = make_settings(request.strategy, request.settings)
         new = get_strategy(request.strategy)(settings)
         context.optimizer = new.local_optimizer(context.job, context.model.parameters())
@@ -244,11 +258,19 @@ class ControlPoint:
                 group["lr"] = self.control.lr
         new.carry_in(context, carried)
         new.setup(context)
+        lap("setup")
         loop.strategy, self.applied_switch, self.pending = new, request.switch_id, None
         # The fingerprints let anyone check from the metrics that every worker starts the new strategy
         # from the same, carried-over weights.
         loop.sender.event(kinds.SWITCHED, step=loop.step, switch_id=request.switch_id,
-                          settings=dataclasses.asdict(settings), took_s=time.perf_counter() - started,
+                          settings=dataclasses.asdict(settings), took_s=time.perf_counter() - started, parts_s=parts,
                           carried_optimizer_state=sorted(carried.optimizer_state), weights_before=before,
                           weights_after=fingerprint(flatten(list(context.model.parameters()))),
+                          optimizer_state_after=_state_print(carried.optimizer_state),
                           **{"from": old.name, "to": new.name})
+
+
+def _state_print(state: dict[str, Any]) -> list[float] | None:
+    """The carried optimizer state's fingerprint (its tensors), to tell a common state from each worker's own."""
+    tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return fingerprint(flatten(tensors)) if tensors else None

@@ -93,6 +93,7 @@ class Average(Strategy):
     uses_process_group = True
     summary = "Synchronous parameter averaging every `period` steps (local SGD). Less traffic, some drift."
     local_weights_drift = True
+    own_optimizer_states = True
 
     def setup(self, context: TrainingContext) -> None:
         self.comm = context.comm
@@ -154,9 +155,9 @@ class Average(Strategy):
         if self.steps_since_sync > 0:  # progress not averaged yet (after landing, the progress since it started)
             self._synchronise(context)
 
-    def carry_out(self, context: TrainingContext) -> Carried:
+    def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
         self.finish(context)  # no-op after the loop's own `finish`; never carry an exchange in flight
-        return super().carry_out(context)
+        return super().carry_out(context, own_state)
 
     def close(self) -> None:
         # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the

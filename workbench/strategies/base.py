@@ -71,6 +71,11 @@ class Strategy:
     suggested_sgd: ClassVar[dict[str, float]] = {"lr": 0.1, "momentum": 0.9}
     # True when the workers' weights drift apart between synchronisations: a checkpoint takes their mean.
     local_weights_drift: ClassVar[bool] = False
+    # Each worker steps its own optimizer and the states drift apart (local SGD: `average`, `easgd`). A
+    # switch between two such strategies lets each worker keep its own state instead of carrying the
+    # mean: that is what it would have gone on with, and the mean is a model-sized exchange (measured:
+    # 2.2 s of a 3.4 s switch from average to easgd on a 20 Mbit/s link).
+    own_optimizer_states: ClassVar[bool] = False
     # Set when the run's group of workers is being ended after a loss: close without waiting on others.
     abandoned: bool = False
 
@@ -99,13 +104,16 @@ class Strategy:
     def finish(self, context: TrainingContext) -> None:
         """Called once after the last step (or before a switch): bring workers to common weights."""
 
-    def carry_out(self, context: TrainingContext) -> Carried:
+    def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
         """After `finish`, before a switch: the weights and the job optimizer's state to carry over.
 
         Collective: every rank calls it. Here the workers' own optimizers hold the state; it is averaged
-        (equal already under `allreduce`, drifted apart under `average`).
+        (equal already under `allreduce`, drifted apart under `average`), or with `own_state` each
+        worker's own is kept (see `own_optimizer_states`).
         """
         state = flat_optimizer_state(context.optimizer)
+        if own_state:
+            return Carried(flatten(list(context.model.parameters())), state)
         # The ranks' states may differ in shape (one rank saw no gradient for some parameter yet):
         # agree on the layout first, so that every rank makes the same collectives.
         layout = {key: value.numel() if isinstance(value, torch.Tensor) else "scalar" for key, value in state.items()}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..averaging import flat_optimizer_state, flatten, unflatten_into
+from ..averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
 from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
                            validate_compression)
 from ..errors import ConfigError
@@ -172,14 +172,24 @@ class _ServerStrategy(Strategy):
         # This worker's copy of the server's weights. A new server has no mirror of it: the first fetch
         # carries the weights in full; later ones, with compressed replies, only changes.
         self.known = KnownWeights(len(self.server.ranges))
-        self.known.apply(self.server.fetch(self.rank, full=True).weights)
-        self._load(self.known.vector())
+        if not self._holds_the_start(context):
+            self.known.apply(self.server.fetch(self.rank, full=True).weights)
+            self._load(self.known.vector())
         self.pending: Call | None = None
         self.clock = 0  # windows sent
         self.steps_since_send = 0
         # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
         # lower bound between replies.
         self.known_slowest_clock = 0
+
+    def _holds_the_start(self, context: TrainingContext) -> bool:
+        """Whether this worker may skip the fetch that starts it: only elastic averaging's shards keep
+        the weights they were made of as every worker's mirror, and only when every rank holds exactly
+        rank 0's weights (a few numbers gathered, against the whole model fetched over the link)."""
+        if not self.elastic:
+            return False
+        prints = context.comm.all_gather_json(fingerprint(flatten(self.parameters)))
+        return all(other == prints[0] for other in prints)
 
     def _compressors(self) -> list[ErrorFeedback]:
         """One push compressor per shard, each keeping the residual of what its pushes did not send."""
@@ -364,8 +374,9 @@ class AsyncSGD(_ServerStrategy):
     def _server_optimizer_state(self) -> dict[str, Any] | None:
         return None if self.worker_momentum else getattr(self, "carried_optimizer_state", None)
 
-    def carry_out(self, context: TrainingContext) -> Carried:
-        # After `finish` every worker holds the server's weights.
+    def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
+        # After `finish` every worker holds the server's weights; the job optimizer's state is the
+        # server's (or the workers' mean velocity), never a worker's own.
         if self.worker_momentum:
             velocity = self.velocity.clone()
             context.comm.all_reduce_mean(velocity)  # every rank has a velocity of the same size
@@ -496,6 +507,7 @@ class ElasticAveraging(_ServerStrategy):
     settings_class = EASGDSettings
     settings: EASGDSettings
     elastic = True
+    own_optimizer_states = True
     summary = ("Elastic averaging SGD: workers keep their own weights and every `period` steps exchange an "
                "elastic pull of strength `alpha` with a center variable on the server (the final model).")
 
