@@ -191,12 +191,23 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: li
                             "throughput": {n: [c["throughput"] for c in cells.get((condition, n), [])]
                                            for n, _, _ in CONFIGS if (condition, n) in cells}}
         ratios[condition] = ratio
+    # On the changing link: seconds from the fall to the first decision after it, and to its taking
+    # effect on every worker (the target: within 10 s).
+    reactions = []
+    for run in cells.get(("changing", "auto"), []):
+        fell = run.get("link_changed_after_s")
+        after = [d for d in run["decisions"] if fell is not None and d["after_s"] >= fell]
+        if after:
+            effective = after[0].get("effective_after_s")
+            reactions.append({"decided_s": round(after[0]["after_s"] - fell, 1),
+                              "took_effect_s": round(effective - fell, 1) if effective is not None else None})
     known = [r for r in ratios.values() if r is not None]
     return {"machine": f"{platform.machine()}, 2 worker hosts on one VM", "date": datetime.date.today().isoformat(),
             "complete": complete, "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
             "worst_time_vs_best_fixed": max(known) if known and len(known) == len(ratios) else None,
             "changing_link_time_vs_best_fixed": ratios.get("changing"),
             "changing_link_beats_every_fixed": table["changing"]["auto_beats_every_fixed"] if "changing" in table else None,
+            "changing_link_reactions": reactions,
             "lr_scale": arguments.lr_scale, "hidden": arguments.hidden}
 
 
