@@ -222,11 +222,12 @@ class _Run:
 
 
 def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by_the_fast_ones_before():
-    """Averaging every 64 steps of 5 ms, overlapped; at t=20 s an exchange goes from 20 ms to 1.8 s (360
-    steps: past what bf16 at period 64 hides). Ticked every 0.1 s, judging every 2 s. The move must come
-    once two slow exchanges have landed (plus at most a window): an 8 s window that also held the fast
-    exchanges before the fall read as fast and cleared the first slow reading (measured on the lab:
-    10.3 s after the fall), and one slow exchange read in two windows must not confirm it alone."""
+    """Averaging every 64 steps of 5 ms, overlapped; at t=20 s an exchange goes from 20 ms to 3 s (600
+    steps: past what bf16 at period 64 hides), longer than a window. Ticked every 0.1 s, judging every
+    2 s. The move must come once two slow exchanges have landed (plus at most a window): an 8 s window
+    that also held the fast exchanges before the fall read as fast and cleared the first slow reading
+    (here the move came a third slow exchange later; on the lab 14 s after the fall), and one slow
+    exchange read in two windows must not confirm it alone."""
     from workbench.autopilot import AutoPilot
 
     run, pilot = _Run(), AutoPilot(workers=2)
@@ -246,7 +247,7 @@ def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by
                 landed[w].append(t)
             s["step"], s["since_sync"] = s["step"] + 1, s["since_sync"] + 1
             if s["since_sync"] >= 64 and s["lands"] is None:
-                s["cost"] = 0.02 if t < fall else 1.8
+                s["cost"] = 0.02 if t < fall else 3.0
                 s["lands"], s["since_sync"] = t + s["cost"], 0
             records.append(record)
         run.table.add(records)

@@ -185,7 +185,7 @@ def test_an_elastic_worker_that_never_fetched_is_mirrored_from_the_start_not_the
     # do): one worker's exchanges move the center before the other's first, which must still be judged
     # from where that worker really is.
     start = randn(N, seed=1)
-    server, center = ElasticMirrors("none", start=start), start.clone()
+    server, center = ElasticMirrors("none", start=start, workers=2), start.clone()
     for exchange in range(3):
         server.exchange(0, center, encode(randn(N, seed=2 + exchange, scale=0.1), "none"), 0.5)
     assert not torch.allclose(center, start)
@@ -194,3 +194,4 @@ def test_an_elastic_worker_that_never_fetched_is_mirrored_from_the_start_not_the
     pull = decode(server.exchange(1, center, encode(progress, "none"), 0.5))
     torch.testing.assert_close(pull, elastic_pull(start + progress, before, 0.5))
     torch.testing.assert_close(center, before + pull)
+    assert server.start is None  # both workers mirrored: the start weights are let go

@@ -98,18 +98,25 @@ class ElasticMirrors:
     """
 
     def __init__(self, kind: str = "none", topk_ratio: float = 0.01, threshold_tau: float = 1e-3,
-                 start: torch.Tensor | None = None) -> None:
+                 start: torch.Tensor | None = None, workers: int = 0) -> None:
         self.kind, self.topk_ratio, self.threshold_tau = kind, topk_ratio, threshold_tau
         self.mirrors: dict[int, torch.Tensor] = {}  # worker -> its weights, as the server knows them
         # The weights the server was made of, which every worker holds at its start (`setup` checks):
-        # a worker's mirror until it fetches, so it need not fetch them (on a slow link, seconds).
+        # a worker's mirror until it fetches, so it need not fetch them (on a slow link, seconds). Let go
+        # once each of the `workers` has a mirror of its own.
         self.start = None if start is None else start.detach().clone()
+        self.workers = workers
 
     def reply(self, worker: int, current: torch.Tensor, full: bool = True) -> Packet:
         """A fetch: the worker takes the center as its own weights (always in full: elastic averaging
         fetches only to start), so its mirror starts there too."""
         self.mirrors[worker] = current.detach().clone()
+        self._forget_start_when_all_mirrored()
         return encode(current, FULL)
+
+    def _forget_start_when_all_mirrored(self) -> None:
+        if len(self.mirrors) >= self.workers:
+            self.start = None  # a copy of the shard nobody needs any more
 
     def exchange(self, worker: int, center: torch.Tensor, packet: Packet, alpha: float) -> Packet:
         """Add the worker's progress `packet` to its mirror, move `center` (in place) by the elastic pull,
@@ -119,6 +126,7 @@ class ElasticMirrors:
         mirror = self.mirrors.get(worker)
         if mirror is None:  # not setdefault: its default (a clone of the whole shard) would be made every call
             mirror = self.mirrors[worker] = (self.start if self.start is not None else center).clone()
+            self._forget_start_when_all_mirrored()
         add_decoded(mirror, packet)
         pull = elastic_pull(mirror, center, alpha)
         center += pull

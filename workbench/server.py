@@ -88,7 +88,7 @@ class ParameterShard:
         # shard's range per worker: the weights it knows (async, ssp; none kept when replies are not
         # compressed), or for elastic averaging its own weights. A new shard has none, so its first reply
         # to each worker carries the weights in full.
-        self.mirrors = ElasticMirrors(*replies, start=self.parameter.data) if elastic else WeightMirrors(*replies)
+        self.mirrors = ElasticMirrors(*replies, start=self.parameter.data, workers=len(workers)) if elastic else WeightMirrors(*replies)
         self.created = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
