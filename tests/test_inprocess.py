@@ -9,6 +9,7 @@ import torch
 
 import workbench
 from workbench import kinds
+from workbench.averaging import flatten, fingerprint
 from workbench.data import Shard
 from workbench.inprocess import train_in_process
 from workbench.job import loss_function, make_optimizer
@@ -133,3 +134,44 @@ def test_a_live_switch_in_process_carries_the_weights_to_the_server_and_back():
     after = [r for r in run.steps() if r["step"] >= switched[0]["step"]]
     assert {r["strategy"] for r in after} == {"async"} and any(r.get("staleness") is not None for r in after)
     assert len({tuple(result["weights"]) for result in run.results}) == 1
+
+
+def test_a_switch_from_averaging_to_easgd_keeps_each_workers_own_progress():
+    # Averaging never within the run: at the switch each worker holds the start weights (the global
+    # weights) plus progress of its own, which goes on under easgd instead of being averaged away.
+    switched_at = {}
+
+    def on_record(record, control):
+        if record.get("kind") == kinds.STEP and record["step"] == 10 and not switched_at:
+            switched_at["asked"] = record["step"]
+            control.switch("easgd", {"period": 2})
+
+    run = train_in_process(job(steps=60), "average", WORLD, on_record=on_record, period=100_000)
+    switched = sorted(run.events(kinds.SWITCHED), key=lambda e: e["worker"])
+    assert [e["worker"] for e in switched] == list(range(WORLD))
+    start = fingerprint(flatten(list(fixed_mlp().parameters())))
+    for event in switched:
+        assert event["weights_after"] == event["weights_before"]  # its own weights, not the mean
+        assert event["common_weights"] == pytest.approx(start)  # over the base they agree on
+    assert switched[0]["weights_after"] != switched[1]["weights_after"]
+    steps = run.steps()
+    after = [r for r in steps if r["step"] >= switched[0]["step"]]
+    assert {r["strategy"] for r in after} == {"easgd"}
+    assert sum(r["loss"] for r in steps[-20:]) < 0.5 * sum(r["loss"] for r in steps[:20])  # and it trains on
+    assert len({tuple(result["weights"]) for result in run.results}) == 1  # the center, on every rank
+
+
+def test_a_switch_to_a_strategy_of_common_weights_averages_first():
+    switched_at = {}
+
+    def on_record(record, control):
+        if record.get("kind") == kinds.STEP and record["step"] == 10 and not switched_at:
+            switched_at["asked"] = record["step"]
+            control.switch("allreduce", {})
+
+    run = train_in_process(job(steps=30, lr=0.05, momentum=0.0), "average", WORLD, on_record=on_record, period=100_000)
+    switched = run.events(kinds.SWITCHED)
+    assert len({tuple(e["weights_after"]) for e in switched}) == 1 and switched[0]["common_weights"] is None
+    # The mean of the workers' weights (fingerprints are linear).
+    mean = [sum(values) / WORLD for values in zip(*(e["weights_before"] for e in switched))]
+    assert switched[0]["weights_after"] == pytest.approx(mean, rel=1e-5)

@@ -228,10 +228,14 @@ def test_adam_state_carries_through_elastic_averaging_and_back(client, run_dir):
     # EASGD workers keep their own Adam: its moments and step go into the switch and come back out.
     for event in first + second:
         assert list(event["carried_optimizer_state"]) == ["exp_avg", "exp_avg_sq", "step"]
-    # From averaging to easgd each worker keeps its own Adam (both train their own copy; no mean sent
-    # over the link), from averaged weights; back to allreduce they take the mean, and the center.
-    assert first[0]["weights_after"] == first[1]["weights_after"]
+    # From averaging to easgd each worker keeps its own Adam and its own weights (both train their own
+    # copy; no mean sent over the link), over the global weights they agree on; back to allreduce they
+    # take the mean, and the center.
+    assert first[0]["weights_after"] != first[1]["weights_after"]
+    assert [e["weights_after"] for e in first] == [e["weights_before"] for e in first]
+    assert first[0]["common_weights"] == first[1]["common_weights"] is not None
     assert first[0]["optimizer_state_after"] != first[1]["optimizer_state_after"]
+    assert second[0]["common_weights"] is None
     assert second[0]["weights_after"] == second[1]["weights_after"]
     assert second[0]["optimizer_state_after"] == second[1]["optimizer_state_after"]
 

@@ -237,6 +237,11 @@ class Chooser:
         self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
         self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
 
+    @property
+    def pending(self) -> bool:
+        """Whether a choice has been seen and waits to be confirmed."""
+        return self._seen > 0
+
     def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
         if window is not None:
             self._recent = (self._recent + [window.compute_s])[-self.RECENT:]

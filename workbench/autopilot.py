@@ -22,6 +22,7 @@ WINDOW_S = 2.0  # seconds of step records one judgement looks at
 # ... or this many, where those hold too few steps or no exchange: on a slow link a worker averaging every
 # 16 steps waits seconds per exchange (measured at 20 Mbit/s: 3-4 s), and a short window holds none.
 WIDE_WINDOW_S = 8.0
+EARLIEST_S = 0.5  # a judgement on a newly landed exchange comes at least this long after the last one
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +43,7 @@ class AutoPilot:
         self.decisions = 0
         self.judged = 0  # windows judged so far (a test waits on it)
         self.last_window: Any = None  # what the last judgement saw
-        self._next = 0.0
+        self._next = self._judged_at = 0.0
         # Per worker, the newest record whose exchanges were judged. An exchange counts as evidence once:
         # on a slow link one lands every few seconds, and an 8 s window that still held the fast ones
         # from before the link fell read as fast and cleared the choice the slow one had begun to
@@ -50,10 +51,11 @@ class AutoPilot:
         self._since: dict[int, float] = {}
 
     def tick(self, run: Any, now: float) -> None:
-        """Judge the last window when one is due; switch the run if the chooser says so."""
-        if not self.on or run.status != "running" or now < self._next:
+        """Judge the last window when one is due, or sooner when the exchange it waits on has landed;
+        switch the run if the chooser says so."""
+        if not self.on or run.status != "running" or (now < self._next and not self._evidence_landed(run, now)):
             return
-        self._next = now + self.window_s
+        self._next, self._judged_at = now + self.window_s, now
         window, newest = self._measure(run, self.window_s)
         if window is None or window.exchange_s is None:
             wide, wide_newest = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
@@ -84,6 +86,19 @@ class AutoPilot:
             run.switch(choice.strategy, by_auto=True, **choice.settings)
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
+
+    def _evidence_landed(self, run: Any, now: float) -> bool:
+        """Whether a judgement waiting on the link may be made before its tick: the last one saw no new
+        exchange, or saw slow ones and began to confirm a choice, and now every worker has a new one.
+        On a slow link an exchange lands every few seconds, and the tick after it came up to a window
+        later (measured: a fall to 20 Mbit/s decided 6.2-6.3 s after, two exchanges of about 2.4 s)."""
+        last = self.last_window
+        waiting = last is not None and (last.exchange_s is None or
+                                        (self.chooser.pending and last.exchange_s >= self.window_s / 2))
+        if not waiting or now - self._judged_at < EARLIEST_S:
+            return False
+        window, _ = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
+        return window is not None and window.exchange_s is not None
 
     def _measure(self, run: Any, seconds: float) -> tuple[Any, dict[int, float]]:
         """The window of the last `seconds`, counting only exchanges not judged before, and each worker's

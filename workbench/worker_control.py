@@ -242,16 +242,23 @@ class ControlPoint:
             parts[part] = round(marks[-1] - marks[-2], 3)
 
         before = fingerprint(flatten(list(context.model.parameters())))
-        old.finish(context)  # common weights: averaged, or the server's
+        new_class = get_strategy(request.strategy)
+        # Between two local-SGD strategies each worker goes on with its own optimizer state and, where the
+        # old one keeps a common base and the new one can start from it, its own weights: what it would
+        # have gone on with, and no model-sized exchange to bring the workers together first.
+        own = old.own_optimizer_states and new_class.own_optimizer_states
+        common = old.common_base(context) if own and new_class.takes_own_weights else None
+        if common is None:
+            old.finish(context)  # common weights: averaged, or the server's
         lap("finish")
-        carried = old.carry_out(context, own_state=old.own_optimizer_states and
-                                get_strategy(request.strategy).own_optimizer_states)
+        carried = old.carry_out(context, own_state=own)
+        carried.common = common
         lap("carry_out")
         loop.comm.barrier()  # every rank holds the carried state before the old services go
         old.close()
         lap("close")
         settings = make_settings(request.strategy, request.settings)
-        new = get_strategy(request.strategy)(settings)
+        new = new_class(settings)
         context.optimizer = new.local_optimizer(context.job, context.model.parameters())
         if self.control.lr is not None:
             for group in context.optimizer.param_groups:
@@ -261,12 +268,13 @@ class ControlPoint:
         lap("setup")
         loop.strategy, self.applied_switch, self.pending = new, request.switch_id, None
         # The fingerprints let anyone check from the metrics that every worker starts the new strategy
-        # from the same, carried-over weights.
+        # from the same, carried-over weights (or, each with its own, over the same common base).
         loop.sender.event(kinds.SWITCHED, step=loop.step, switch_id=request.switch_id,
                           settings=dataclasses.asdict(settings), took_s=time.perf_counter() - started, parts_s=parts,
                           carried_optimizer_state=sorted(carried.optimizer_state), weights_before=before,
                           weights_after=fingerprint(flatten(list(context.model.parameters()))),
                           optimizer_state_after=_state_print(carried.optimizer_state),
+                          common_weights=fingerprint(common) if common is not None else None,
                           **{"from": old.name, "to": new.name})
 
 

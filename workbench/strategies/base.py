@@ -39,10 +39,14 @@ class TrainingContext:
 
 @dataclasses.dataclass
 class Carried:
-    """The training state one strategy hands the next at a live switch, the same on every worker."""
+    """The training state one strategy hands the next at a live switch: the same on every worker, except
+    between two local-SGD strategies, where each worker carries its own (see `common_base`)."""
 
     weights: torch.Tensor  # flat, in `model.parameters()` order
     optimizer_state: dict[str, Any]  # `averaging.flat_optimizer_state` of the job's optimizer
+    # Where each worker carries its own weights: the weights they all agree on, each one's own being
+    # these plus its progress since (the same on every worker). None: `weights` are common.
+    common: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -76,6 +80,9 @@ class Strategy:
     # mean: that is what it would have gone on with, and the mean is a model-sized exchange (measured:
     # 2.2 s of a 3.4 s switch from average to easgd on a 20 Mbit/s link).
     own_optimizer_states: ClassVar[bool] = False
+    # The strategy can start with each worker on its own weights over a common base (`Carried.common`),
+    # so a switch to it from a strategy that has one skips bringing the workers together (`common_base`).
+    takes_own_weights: ClassVar[bool] = False
     # Set when the run's group of workers is being ended after a loss: close without waiting on others.
     abandoned: bool = False
 
@@ -104,8 +111,14 @@ class Strategy:
     def finish(self, context: TrainingContext) -> None:
         """Called once after the last step (or before a switch): bring workers to common weights."""
 
+    def common_base(self, context: TrainingContext) -> torch.Tensor | None:
+        """Before a switch to a strategy that `takes_own_weights`, instead of `finish`: the weights every
+        worker agrees on, each worker's own being those plus its progress since, with nothing left in
+        flight; None where this strategy keeps no such base (the switch then calls `finish`). Collective."""
+        return None
+
     def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
-        """After `finish`, before a switch: the weights and the job optimizer's state to carry over.
+        """After `finish` (or `common_base`), before a switch: the weights and the job optimizer's state to carry over.
 
         Collective: every rank calls it. Here the workers' own optimizers hold the state; it is averaged
         (equal already under `allreduce`, drifted apart under `average`), or with `own_state` each

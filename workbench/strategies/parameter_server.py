@@ -147,8 +147,8 @@ class _ServerStrategy(Strategy):
         """Rank 0 creates the shards from its current weights (equal on every rank at this point)."""
         job = context.job
         server_job = dataclasses.replace(job, momentum=0.0) if _momentum_on_workers(job, self.settings) else job
-        return context.comm.start_parameter_server(context.run_id, context.addresses,
-                                      flatten(list(context.model.parameters())), server_job, self.settings.shards,
+        return context.comm.start_parameter_server(context.run_id, context.addresses, self._start_weights(context),
+                                      server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
                                       self._server_optimizer_state(), getattr(self, "restored_version", 0),
                                       self.settings.replies(), self.elastic)
@@ -175,6 +175,7 @@ class _ServerStrategy(Strategy):
         if not self._holds_the_start(context):
             self.known.apply(self.server.fetch(self.rank, full=True).weights)
             self._load(self.known.vector())
+            self.common = None  # each worker now holds the server's weights, its own progress dropped
         self.pending: Call | None = None
         self.clock = 0  # windows sent
         self.steps_since_send = 0
@@ -182,13 +183,19 @@ class _ServerStrategy(Strategy):
         # lower bound between replies.
         self.known_slowest_clock = 0
 
+    def _start_weights(self, context: TrainingContext) -> torch.Tensor:
+        """What the server starts from: this worker's weights (equal on every rank but for a switch that
+        carried each worker's own over a common base, `common`: then that base)."""
+        common = getattr(self, "common", None)
+        return common if common is not None else flatten(list(context.model.parameters()))
+
     def _holds_the_start(self, context: TrainingContext) -> bool:
         """Whether this worker may skip the fetch that starts it: only elastic averaging's shards keep
         the weights they were made of as every worker's mirror, and only when every rank holds exactly
-        rank 0's weights (a few numbers gathered, against the whole model fetched over the link)."""
+        rank 0's start weights (a few numbers gathered, against the whole model fetched over the link)."""
         if not self.elastic:
             return False
-        prints = context.comm.all_gather_json(fingerprint(flatten(self.parameters)))
+        prints = context.comm.all_gather_json(fingerprint(self._start_weights(context)))
         return all(other == prints[0] for other in prints)
 
     def _compressors(self) -> list[ErrorFeedback]:
@@ -508,14 +515,21 @@ class ElasticAveraging(_ServerStrategy):
     settings: EASGDSettings
     elastic = True
     own_optimizer_states = True
+    takes_own_weights = True  # from `average`: each worker's progress since the last average goes on with it
     summary = ("Elastic averaging SGD: workers keep their own weights and every `period` steps exchange an "
                "elastic pull of strength `alpha` with a center variable on the server (the final model).")
 
+    def carry_in(self, context: TrainingContext, carried: Carried) -> None:
+        super().carry_in(context, carried)
+        self.common = carried.common
+
     def setup(self, context: TrainingContext) -> None:
         super().setup(context)
-        # This worker's weights as the server knows them (see `replies.ElasticMirrors`): the server's
-        # mirror starts at the weights of the first fetch, as this one does.
-        self.mirror = flatten(self.parameters)
+        # This worker's weights as the server knows them (see `replies.ElasticMirrors`): the weights the
+        # server was made of (or, with own weights over a common base, that base: the first push then
+        # carries the progress since, and the server's mirror becomes this worker's weights).
+        self.mirror = self._start_weights(context).clone()
+        self.common = None
         self.known = None  # elastic averaging fetches weights only to start
 
     def _compressors(self) -> list[ErrorFeedback]:
