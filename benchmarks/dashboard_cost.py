@@ -18,10 +18,12 @@ gets only the CPU that training and the dashboard leave, as viewers on machines 
 the training box's; its CPU is measured and reported apart (`viewer_cores`). After each cell with viewers
 the benchmark waits until the server has destroyed their sessions (Bokeh's unused-session check, some 35
 s), so that this cost does not land on the next cell; each cell also reports the websocket messages a
-session received (`messages_median`) beside the document changes they carried.
+session received (`messages_median`) beside the document changes they carried. The dashboard runs at
+the command's default niceness (`--nice`); a comma list (`--nice 0,10`) compares niceness in one run,
+each cell setting every thread of the one dashboard process to its value.
 
     python benchmarks/dashboard_cost.py [--workers 2] [--viewers 10] [--repeats 3] [--steps 300]
-    python benchmarks/dashboard_cost.py --kind websocket --viewers 0,1,10,50 [--repeats 3] [--steps 600]
+    python benchmarks/dashboard_cost.py --kind websocket --viewers 0,1,10,50 [--repeats 3] [--steps 600] [--nice 0,10]
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from bokeh.server.tornado import DEFAULT_CHECK_UNUSED_MS, DEFAULT_UNUSED_LIFETIM
 
 import workbench
 from widgets.dashboard.app import REFRESH_MS
+from widgets.dashboard.serve import DEFAULT_NICE
 from workbench.data import synthetic
 
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
@@ -70,10 +73,11 @@ def train_once(client, steps: int, strategy: str, run_dir: str) -> float:
     return run.summary()["samples_per_s"]
 
 
-def start_dashboard(client, run_dir: str, port: int, refresh_ms: int = REFRESH_MS) -> subprocess.Popen:
+def start_dashboard(client, run_dir: str, port: int, refresh_ms: int = REFRESH_MS,
+                    nice: int = DEFAULT_NICE) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--scheduler",
                                 client.scheduler.address, "--port", str(port), "--runs-dir", run_dir,
-                                "--refresh-ms", str(refresh_ms)],
+                                "--refresh-ms", str(refresh_ms), "--nice", str(nice)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while True:
@@ -116,6 +120,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--strategy", default="allreduce")
     parser.add_argument("--refresh-ms", type=int, default=REFRESH_MS, help="how often dashboard sessions redraw")
+    parser.add_argument("--nice", default=str(DEFAULT_NICE),
+                        help="websocket: the dashboard process's niceness, or a comma list to compare in one run "
+                             f"(e.g. 0,{DEFAULT_NICE}; the command's default is {DEFAULT_NICE})")
     parser.add_argument("--viewer-priority", choices=("idle", "normal"), default="idle",
                         help="websocket: the viewers' process runs only on CPU nothing else wants (idle: as on "
                              "machines of their own) or as any process (normal: they compete with training)")
@@ -280,6 +287,15 @@ def settle(process: Any, idle_cores: float = 0.05, longest_s: float = 60.0) -> N
         pass
 
 
+def renice(pid: int, niceness: int) -> None:
+    """Set every thread of a process to `niceness` (on Linux each thread has its own; root may lower it)."""
+    for thread in (Path("/proc") / str(pid) / "task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(thread.name), niceness)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+
+
 def websocket_main(arguments: argparse.Namespace) -> None:
     import psutil
 
@@ -288,17 +304,21 @@ def websocket_main(arguments: argparse.Namespace) -> None:
     counts = [int(n) for n in arguments.viewers.split(",")]
     if counts[0] != 0:
         counts.insert(0, 0)
+    nices = [int(n) for n in arguments.nice.split(",")]
+    # Each cell: a number of sessions at a niceness of the dashboard, all compared in one run.
+    conditions = [(nice, count) for nice in nices for count in counts]
     client = workbench.connect(workers=arguments.workers, dashboard_address=":0")
     run_dir = tempfile.mkdtemp(prefix="dashboard-cost-")
     port = free_port()
-    dashboard = start_dashboard(client, run_dir, port, arguments.refresh_ms)
+    dashboard = start_dashboard(client, run_dir, port, arguments.refresh_ms, nices[0])
     dashboard_process = psutil.Process(dashboard.pid)
-    cells: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    cells: dict[tuple[int, int], list[dict[str, float]]] = {c: [] for c in conditions}
     try:
         train_once(client, 30, arguments.strategy, run_dir)  # warm up the workers and the dashboard
         for repeat in range(arguments.repeats):
-            for count in (counts if repeat % 2 == 0 else list(reversed(counts))):
-                viewers, out = None, Path(run_dir) / f"viewers-{repeat}-{count}.json"
+            for nice, count in (conditions if repeat % 2 == 0 else list(reversed(conditions))):
+                renice(dashboard.pid, nice)
+                viewers, out = None, Path(run_dir) / f"viewers-{repeat}-{nice}-{count}.json"
                 if count:
                     viewers = subprocess.Popen([sys.executable, __file__, "--viewer-process",
                                                 f"http://127.0.0.1:{port}/", str(count), str(out),
@@ -324,8 +344,9 @@ def websocket_main(arguments: argparse.Namespace) -> None:
                     report = json.loads(out.read_text())
                     cell.update(updates_min=min(report["received"]), updates_median=statistics.median(report["received"]),
                                 messages_median=statistics.median(report["messages"]), all_connected=all(report["connected"]))
-                cells[count].append(cell)
-                print(f"repeat {repeat + 1} {count:3d} sessions {rate:9.0f} samples/s, dashboard {cores:.3f} cores, "
+                cells[nice, count].append(cell)
+                print(f"repeat {repeat + 1} {count:3d} sessions, dashboard at nice {nice:2d}: {rate:9.0f} samples/s, "
+                      f"dashboard {cores:.3f} cores, "
                       f"viewers {cell['viewer_cores']:.3f} cores"
                       + (f", updates per session >= {cell['updates_min']}" if count else ""), flush=True)
     finally:
@@ -333,29 +354,37 @@ def websocket_main(arguments: argparse.Namespace) -> None:
         dashboard.wait(timeout=30)
         workbench.shutdown(client)
 
-    median = lambda n, key: statistics.median(c[key] for c in cells[n])  # noqa: E731
-    none_rate, none_cores = median(0, "samples_per_s"), median(0, "dashboard_cores")
-    table = {n: {"samples_per_s": median(n, "samples_per_s"), "vs_none": median(n, "samples_per_s") / none_rate,
-                 "dashboard_cores": median(n, "dashboard_cores"), "viewer_cores": median(n, "viewer_cores"),
-                 "dashboard_cores_per_session": (median(n, "dashboard_cores") - none_cores) / n if n else None,
-                 "updates_per_session_min": min(c["updates_min"] for c in cells[n]) if n else None}
-             for n in counts}
+    def table_at(nice: int) -> dict[int, dict[str, Any]]:
+        median = lambda n, key: statistics.median(c[key] for c in cells[nice, n])  # noqa: E731
+        none_rate, none_cores = median(0, "samples_per_s"), median(0, "dashboard_cores")
+        return {n: {"samples_per_s": median(n, "samples_per_s"), "vs_none": median(n, "samples_per_s") / none_rate,
+                    "dashboard_cores": median(n, "dashboard_cores"), "viewer_cores": median(n, "viewer_cores"),
+                    "dashboard_cores_per_session": (median(n, "dashboard_cores") - none_cores) / n if n else None,
+                    "updates_per_session_min": min(c["updates_min"] for c in cells[nice, n]) if n else None}
+                for n in counts}
+
+    tables = {nice: table_at(nice) for nice in nices}
+    table = tables[nices[-1]]  # the last niceness named (the command's default where it is the only one)
     result = {
         "benchmark": "dashboard_cost_websocket", "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "strategy": arguments.strategy, "workers": arguments.workers, "steps": arguments.steps,
         "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms, "viewer_priority": arguments.viewer_priority,
-        "table": table, "cells": cells,
+        "dashboard_nice": nices[-1], "table": table, "tables_by_nice": tables,
+        "cells": {f"nice {nice}, {count} sessions": runs for (nice, count), runs in cells.items()},
         **({"vs_none_10": table[10]["vs_none"], "cores_per_session_10": table[10]["dashboard_cores_per_session"]}
            if 10 in table else {}),
     }
-    print(f"{'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12} {'viewer cores':>13}")
-    for n, row in table.items():
-        per = f"{row['dashboard_cores_per_session']:.4f}" if n else "-"
-        print(f"{n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f} {per:>12}"
-              f" {row['viewer_cores']:>13.3f}")
+    print(f"{'nice':>4} {'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12} "
+          f"{'viewer cores':>13}")
+    for nice, rows in tables.items():
+        for n, row in rows.items():
+            per = f"{row['dashboard_cores_per_session']:.4f}" if n else "-"
+            print(f"{nice:>4} {n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f}"
+                  f" {per:>12} {row['viewer_cores']:>13.3f}")
     if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
-        out = Path(__file__).resolve().parent / "results" / f"cpu-2core-dashboard-cost-websocket-{arguments.refresh_ms}ms.json"
+        suffix = "" if nices == [DEFAULT_NICE] else "-nice-" + "-".join(map(str, nices))
+        out = Path(__file__).resolve().parent / "results" / f"cpu-2core-dashboard-cost-websocket-{arguments.refresh_ms}ms{suffix}.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -59,9 +60,29 @@ def serving(command, port, sign_in=False, path=""):
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, "the dashboard did not answer within 60 s"
                 time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
-        yield url
+        yield Served(url, process)
     finally:
         end_processes([process], timeout_s=15)
+
+
+def thread_niceness(pid):
+    """The niceness of each thread of a process (a thread that ends meanwhile is left out)."""
+    values = set()
+    for thread in (Path("/proc") / str(pid) / "task").iterdir():
+        try:
+            values.add(os.getpriority(os.PRIO_PROCESS, int(thread.name)))
+        except ProcessLookupError:
+            pass
+    return values
+
+
+class Served(str):
+    """The URL of a dashboard served by `serving`, with its process."""
+
+    def __new__(cls, url, process):
+        served = super().__new__(cls, url)
+        served.process = process
+        return served
 
 
 def open_dashboard(browser, url, run_id, user=None, password=None):
@@ -146,6 +167,8 @@ def test_websocket_sessions_that_draw_nothing_receive_the_live_run(client, run_d
     try:
         run.wait_for_step(5)
         with served(client, run_dir) as url:
+            # The command yields the CPU to training (`--nice`, default 10), every thread of it.
+            assert thread_niceness(url.process.pid) == {min(19, os.nice(0) + 10)}
             viewers = subprocess.Popen([sys.executable, str(VIEWERS), "--viewer-process", url, "3", str(out), "normal"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert viewers.stdout.readline().strip() == "ready"

@@ -206,6 +206,7 @@ def test_session_refuses_control_on_the_server_for_viewers_and_ended_runs(tmp_pa
     (["--basic-auth", "/nonexistent.json"], "--basic-auth"),
     (["--ssl-certfile", "cert.pem"], "--ssl-keyfile"),
     (["--refresh-ms", "5"], "refresh_ms=5"),
+    (["--nice", "20"], "--nice=20"),
 ])
 def test_dashboard_command_refuses_bad_arguments_in_one_line(arguments, message):
     result = subprocess.run([sys.executable, "-m", "workbench", "dashboard", "--scheduler", "tcp://127.0.0.1:9",
