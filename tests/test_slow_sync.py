@@ -71,11 +71,12 @@ def test_overlapped_average_trains_hides_its_exchange_and_ends_equal(client, run
         landed = rows.iloc[1:]
         assert (landed["comm_total_s"] > landed["comm_s"]).all()
         # An exchange that ended while the steps ran (its completion time is known before the sync that
-        # lands it; how many do depends on the machine's load) counts all of its time as hidden: no more,
-        # no less.
+        # lands it) counts all of its time as hidden: no more, no less. How many do depends on the
+        # machine's load (CI once had none in 16-step periods of this small model); that some do, and
+        # always, is tests/test_inprocess.py's.
         ended = landed.dropna(subset=["exchange_s"])
-        assert len(ended) >= 1, landed[["step", "comm_s", "comm_total_s", "exchange_s"]]
-        assert ((ended["comm_total_s"] - ended["comm_s"]) - ended["exchange_s"]).abs().max() < 1e-6
+        if len(ended):
+            assert ((ended["comm_total_s"] - ended["comm_s"]) - ended["exchange_s"]).abs().max() < 1e-6
     assert run.summary()["comm_hidden_fraction"] > 0
 
 
