@@ -118,13 +118,20 @@ def test_every_strategy_trains_in_process_and_ends_with_common_weights(strategy,
             assert max(r["clock_gap"] for r in steps if r.get("clock_gap") is not None) <= bound
 
 
-def test_a_live_switch_in_process_carries_the_weights_to_the_server_and_back():
+def switch_at_step(step, strategy, settings):
+    """An `on_record` that asks for a switch once a worker reports `step`; and where it noted the step."""
     switched_at = {}
 
     def on_record(record, control):
-        if record.get("kind") == kinds.STEP and record["step"] == 10 and not switched_at:
+        if record.get("kind") == kinds.STEP and record["step"] == step and not switched_at:
             switched_at["asked"] = record["step"]
-            control.switch("async", {"push_every": 2})
+            control.switch(strategy, settings)
+
+    return switched_at, on_record
+
+
+def test_a_live_switch_in_process_carries_the_weights_to_the_server_and_back():
+    switched_at, on_record = switch_at_step(10, "async", {"push_every": 2})
 
     run = train_in_process(job(steps=60, lr=0.05, momentum=0.4), "allreduce", WORLD, on_record=on_record)
     switched = [e for e in run.events(kinds.SWITCHED)]
@@ -139,12 +146,7 @@ def test_a_live_switch_in_process_carries_the_weights_to_the_server_and_back():
 def test_a_switch_from_averaging_to_easgd_keeps_each_workers_own_progress():
     # Averaging never within the run: at the switch each worker holds the start weights (the global
     # weights) plus progress of its own, which goes on under easgd instead of being averaged away.
-    switched_at = {}
-
-    def on_record(record, control):
-        if record.get("kind") == kinds.STEP and record["step"] == 10 and not switched_at:
-            switched_at["asked"] = record["step"]
-            control.switch("easgd", {"period": 2})
+    _, on_record = switch_at_step(10, "easgd", {"period": 2})
 
     run = train_in_process(job(steps=60), "average", WORLD, on_record=on_record, period=100_000)
     switched = sorted(run.events(kinds.SWITCHED), key=lambda e: e["worker"])
@@ -162,12 +164,7 @@ def test_a_switch_from_averaging_to_easgd_keeps_each_workers_own_progress():
 
 
 def test_a_switch_to_a_strategy_of_common_weights_averages_first():
-    switched_at = {}
-
-    def on_record(record, control):
-        if record.get("kind") == kinds.STEP and record["step"] == 10 and not switched_at:
-            switched_at["asked"] = record["step"]
-            control.switch("allreduce", {})
+    _, on_record = switch_at_step(10, "allreduce", {})
 
     run = train_in_process(job(steps=30, lr=0.05, momentum=0.0), "average", WORLD, on_record=on_record, period=100_000)
     switched = run.events(kinds.SWITCHED)

@@ -97,7 +97,9 @@ class AutoPilot:
                                         (self.chooser.pending and last.exchange_s >= self.window_s / 2))
         if not waiting or now - self._judged_at < EARLIEST_S:
             return False
-        window, _ = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
+        # Only the records since the last judgement: an exchange not judged yet landed after it, and a
+        # slow link's run may wait like this for every tick it trains (0.25 s apart).
+        window, _ = self._measure(run, now - self._judged_at)
         return window is not None and window.exchange_s is not None
 
     def _measure(self, run: Any, seconds: float) -> tuple[Any, dict[int, float]]:

@@ -163,11 +163,6 @@ class Average(Strategy):
             self._land()
         return self.global_weights
 
-    def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
-        if self.exchange is not None:  # never carry an exchange in flight (`finish` or `common_base` landed it)
-            self._land()
-        return super().carry_out(context, own_state)
-
     def close(self) -> None:
         # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the
         # process group goes, and the exchange with it.

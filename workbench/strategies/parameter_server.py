@@ -136,6 +136,9 @@ class _ServerStrategy(Strategy):
     uses_process_group = False
     settings: ServerOptions
     elastic = False  # the server's replies are elastic pulls (easgd), not weights
+    # Set by a switch that carried each worker's own weights over a common base (`takes_own_weights`):
+    # the weights the server starts from, until `setup` has used them.
+    common: torch.Tensor | None = None
 
     @classmethod
     def check_world(cls, settings: ServerOptions, world_size: int) -> None:
@@ -186,8 +189,7 @@ class _ServerStrategy(Strategy):
     def _start_weights(self, context: TrainingContext) -> torch.Tensor:
         """What the server starts from: this worker's weights (equal on every rank but for a switch that
         carried each worker's own over a common base, `common`: then that base)."""
-        common = getattr(self, "common", None)
-        return common if common is not None else flatten(list(context.model.parameters()))
+        return self.common if self.common is not None else flatten(list(context.model.parameters()))
 
     def _holds_the_start(self, context: TrainingContext) -> bool:
         """Whether this worker may skip the fetch that starts it: only elastic averaging's shards keep
