@@ -32,8 +32,15 @@ def past_its_first_choice(chooser):
     ("average", {"period": 8}, 0.03, EVEN, None),
     ("average", {"period": 8}, 0.05, EVEN, None),  # the period fits already
     ("average", {"period": 8}, 0.3, EVEN, ("average", {"period": 32, "overlap": True})),  # the link got slower
-    # So slow that 64 steps cannot hide a float32 exchange (8 steps of compute): half the bytes, bf16.
-    ("average", {"period": 64, "overlap": True}, 0.8, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    # Overlapped, an exchange that lands within half its period is hidden already: the period stays (6
+    # steps in 16, 8 in 64); one that does not is hidden as before, and a period far longer than it needs
+    # comes down.
+    ("average", {"period": 16, "overlap": True}, 0.6, EVEN, None),
+    ("average", {"period": 64, "overlap": True}, 0.8, EVEN, None),
+    ("average", {"period": 16, "overlap": True}, 0.9, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    ("average", {"period": 64, "overlap": True}, 0.2, EVEN, ("average", {"period": 32, "overlap": True})),
+    # So slow that 64 steps cannot hide a float32 exchange (40 steps of compute): half the bytes, bf16.
+    ("average", {"period": 64, "overlap": True}, 4.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
     ("allreduce", {}, 1.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
     # bf16 halved what it measures (4 steps): it stays on, no flapping back to float32.
     ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 0.4, EVEN, None),
@@ -112,24 +119,24 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
 
 def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
-    slow = window("allreduce", 0.07)  # 0.7 steps: averaging, but near its threshold (0.5)
+    uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
     # The first move away from the start: confirm - 1 windows (nothing to flap back to).
-    assert chooser.observe(slow, {}, 0) is None
-    assert chooser.observe(window("allreduce", 0.01), {}, 1) is None  # the condition went away: start over
-    assert chooser.observe(slow, {}, 2) is None
-    assert chooser.observe(slow, {}, 3).strategy == "average"
+    assert chooser.observe(uneven, {}, 0) is None
+    assert chooser.observe(window("allreduce", 0.001), {}, 1) is None  # the condition went away: start over
+    assert chooser.observe(uneven, {}, 2) is None
+    assert chooser.observe(uneven, {}, 3).strategy == "easgd"
     # Another condition right after: three windows, and not before min_interval_s has passed.
-    back = window("average", 0.001)
+    back = window("easgd", 0.001)
     assert [chooser.observe(back, {"period": 16}, t) for t in (4, 5, 6, 22)] == [None] * 4
     assert chooser.observe(back, {"period": 16}, 23).strategy == "allreduce"
-    slow = window("allreduce", 0.07)  # any later move needs all three
+    slow = window("allreduce", 0.07)  # 0.7 steps: averaging, near its threshold; any later move needs all three
     assert [chooser.observe(slow, {}, t) for t in (44, 45)] == [None, None]
     assert chooser.observe(slow, {}, 46).strategy == "average"
 
 
 def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_held_back():
-    # allreduce at 2 steps an exchange (4x the averaging threshold): two windows, not three.
-    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    # allreduce at 2 steps an exchange (4x the averaging threshold), after a first move: two windows, not three.
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
     slow = window("allreduce", 0.2)
     assert chooser.observe(slow, {}, 0) is None
     assert chooser.observe(slow, {}, 1).strategy == "average"
@@ -142,8 +149,8 @@ def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_he
         assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
     # Nor is it held back by the switch before it (a period change just made): the link fell meanwhile.
     chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=8))
-    assert [chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
-    assert chooser.observe(window("average", 0.4), {"period": 16, "overlap": True}, 4).settings["period"] == 64
+    assert [chooser.observe(window("average", 0.9), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
+    assert chooser.observe(window("average", 0.9), {"period": 16, "overlap": True}, 4).settings["period"] == 64
     settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
     assert chooser.observe(window("average", 30.0), settings, 6) is None
     assert chooser.observe(window("average", 30.0), settings, 8).strategy == "easgd"  # 4 s after, not 12
@@ -152,11 +159,27 @@ def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_he
     assert [chooser.observe(fast, {"period": 16}, t) for t in (10, 12, 14)] == [None] * 3
     assert chooser.observe(fast, {"period": 16}, 16).strategy == "allreduce"
     # A reading that is clear but changes its mind is not: the count starts over as before.
-    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
     assert chooser.observe(slow, {}, 0) is None
     assert chooser.observe(window("allreduce", 0.01), {}, 1) is None
     assert chooser.observe(slow, {}, 2) is None
     assert chooser.observe(slow, {}, 3).strategy == "average"
+
+
+def test_the_first_move_from_allreduce_to_averaging_takes_one_window_and_to_easgd_two():
+    # From the start, allreduce at 0.6 steps an exchange (past the threshold, not clear): averaging at once.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    first = chooser.observe(window("allreduce", 0.06), {}, 0)
+    assert (first.strategy, first.settings) == ("average", {"period": 8, "overlap": True})
+    # Later moves are confirmed as usual: back to allreduce after three windows, 8 s on.
+    fast = window("average", 0.001)
+    assert [chooser.observe(fast, {"period": 8, "overlap": True}, t) for t in (2, 4, 6)] == [None] * 3
+    assert chooser.observe(fast, {"period": 8, "overlap": True}, 8).strategy == "allreduce"
+    # A first move for a straggler: two windows (speeds on shared cores swing from one to the next).
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
+    assert chooser.observe(uneven, {}, 0) is None
+    assert chooser.observe(uneven, {}, 2).strategy == "easgd"
 
 
 def test_a_link_at_the_edge_does_not_flap():
