@@ -121,6 +121,51 @@ def test_one_server_shard_saturates_and_more_shards_lift_it():
     assert one.samples_per_s <= 128 / service * 1.01
 
 
+def test_ssp_first_waits_when_the_gap_exceeds_the_bound():
+    # A worker that completed clock c goes on while c - slowest <= max_staleness (`staleness.ssp_allows`):
+    # with a bound of 0 the gap must reach 1 before a wait, with 8 it must reach 9. Just before those
+    # times the window is free (async), just after it is held.
+    cal = calibration()
+    free = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=0.0)
+    apart = (free.per_worker_samples_per_s[0] - free.per_worker_samples_per_s[1]) / (cal.samples_per_step * 4)
+    held = predict(cal, "ssp", {"push_every": 4, "max_staleness": 0}, 2, 12.5e6)
+    for bound in (0, 8):
+        settings = {"push_every": 4, "max_staleness": bound}
+        before = predict(cal, "ssp", settings, 2, 12.5e6, elapsed_s=0.99 * (bound + 1) / apart)
+        after = predict(cal, "ssp", settings, 2, 12.5e6, elapsed_s=1.01 * (bound + 1) / apart)
+        assert before.samples_per_s == pytest.approx(free.samples_per_s)
+        assert after.samples_per_s == pytest.approx(held.samples_per_s)
+
+
+@pytest.mark.parametrize("rate", [125e6, 12.5e6])
+def test_synchronous_workers_compute_in_lockstep_so_a_slow_link_leaves_their_compute_shared(rate):
+    # 4 workers on 2 shared cores: every exchange releases them together, so they compute at half speed
+    # whatever the link, and the link's wait adds to that (the cores stay idle meanwhile).
+    cal = calibration()
+    payload = 2 * 3 / 4 * MODEL_BYTES
+    transfer = max(payload / (rate * cal.link_efficiency), payload / (cal.host_rate * 0.5))
+    average = predict(cal, "average", {"period": 16}, 4, rate, cores=2)
+    assert average.cpu_speed == pytest.approx(0.5, rel=1e-6)
+    assert average.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s / 0.5 + transfer), rel=1e-6)
+    # One bucket holding the whole model: the all-reduce starts when backward ends.
+    allreduce = predict(cal, "allreduce", {"bucket_mb": 64}, 4, rate, cores=2)
+    assert allreduce.cpu_speed == pytest.approx(0.5, rel=1e-6)
+    assert allreduce.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / 0.5 + transfer), rel=1e-6)
+    # With a core each (dedicated hosts), the same link leaves their compute at full speed.
+    alone = predict(cal, "average", {"period": 16}, 4, rate)
+    assert alone.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s + transfer), rel=1e-6)
+
+
+def test_a_copy_bound_exchange_keeps_its_cpu_in_the_demand():
+    # An unlimited link: the exchange is the copies, CPU work like the compute, so shared cores still
+    # share it (4 workers on 2 cores: half speed for both), as before the lockstep rule.
+    cal = calibration()
+    got = predict(cal, "average", {"period": 1}, 4, None, cores=2)
+    copies = 2 * 3 / 4 * MODEL_BYTES / cal.host_rate
+    assert got.cpu_speed == pytest.approx(0.5, rel=1e-6)
+    assert got.samples_per_s == pytest.approx(4 * 128 / ((cal.compute_s + copies) / 0.5), rel=1e-6)
+
+
 def test_shared_cores_slow_compute_by_processes_per_core():
     # On the lab every host shares the machine: 4 workers on 2 cores compute at half speed.
     cal = calibration()
@@ -248,7 +293,7 @@ def test_ssp_over_a_window_is_free_until_the_bound_binds_and_held_after():
     held = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6)
     remote, beside = free.per_worker_samples_per_s[1], free.per_worker_samples_per_s[0]
     apart = (beside - remote) / (cal.samples_per_step * 4)  # clocks per second
-    binds_at = 8 / apart
+    binds_at = (8 + 1) / apart  # the first wait comes when the gap exceeds max_staleness 8
     window = predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=binds_at, window_s=2 * binds_at)
     assert window.samples_per_s == pytest.approx((free.samples_per_s + held.samples_per_s) / 2, rel=1e-6)
     pushes = free.samples_per_s, held.samples_per_s

@@ -18,8 +18,13 @@ CPU is a budget per pool of cores: on the lab every emulated host shares the mac
 of `cores`); on real machines (`cores=None`) each host has `host_cores` of its own. Every runnable
 process in a pool progresses at the same speed, found so that the pool's demand fits its cores. That is
 the assumption that makes a lab of N hosts on 2 cores predictable: compute time scales with 1/speed
-(with 4 workers on 2 cores, each computes at half speed). A host's cap (the lab's straggler: a cgroup
-quota; a real host's own cores) holds all its threads, the shard's actor and the copies included.
+(with 4 workers on 2 cores, each computes at half speed). A process's demand is counted over the time it
+has CPU work, not over its whole cycle: synchronous workers (`allreduce`, `average`) are released together
+by each exchange, so they compute in lockstep and then wait on the wire together; a slow link leaves the
+cores idle during that wait but does not let the computes run faster (the lab's time split: `average`'s 4
+workers on 2 cores computed 0.033-0.037 s per step at every link rate, 100 Mbit/s included, against 0.018 s
+on a core of their own). A host's cap (the lab's straggler: a cgroup quota; a real host's own cores)
+holds all its threads, the shard's actor and the copies included.
 Calibration undoes the same sharing: on shared cores the calibration run's backward shared each
 worker's core with the all-reduce's copies, so its measured compute holds some copying.
 
@@ -251,6 +256,7 @@ class _Class:
     work: float = 0.0  # CPU seconds (at speed 1) per cycle, the server's share on its host excluded
     throttled: bool = False
     idle: float = 0.0  # of the cycle, waiting for the slowest worker's step: CPU nobody else can use
+    runnable: float | None = None  # of the cycle, the time the process has CPU work (None: all but `idle`)
 
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
@@ -286,12 +292,14 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
 
     if strategy != "ssp" or elapsed_s is None:
         return solved(True).prediction()
-    # Before the faster workers' clocks are max_staleness ahead, SSP runs as `async`; from then on it holds
-    # them. The gap grows at the difference of the free push rates.
+    # Until the faster workers' clocks are more than max_staleness ahead, SSP runs as `async`; from then on
+    # it holds them. The gap grows at the difference of the free push rates. A worker that has completed
+    # clock c waits only while c - slowest > max_staleness (`staleness.ssp_allows`): the first wait comes
+    # when the gap reaches max_staleness + 1.
     free = solved(False)
     cycles = [group.cycle for group in free.classes]
     apart = 1 / min(cycles) - 1 / max(cycles)  # clocks per second
-    binds_at = values["max_staleness"] / apart if apart > 0 else math.inf
+    binds_at = (values["max_staleness"] + 1) / apart if apart > 0 else math.inf
     start, end = max(0.0, elapsed_s - window_s / 2), elapsed_s + window_s / 2
     if end <= start:  # an instant
         share = 1.0 if start < binds_at else 0.0
@@ -391,7 +399,7 @@ class _Model:
 
     def demand(self, group: _Class) -> float:
         """Cores one worker's process of `group` wants (its shard's service included)."""
-        busy = group.cycle - group.idle
+        busy = group.cycle - group.idle if group.runnable is None else group.runnable
         own = group.work / busy if busy > 0 else 0.0
         server = self.server_load if group.holds_shard else 0.0
         return own + server
@@ -429,10 +437,18 @@ class _Model:
         cycle = path + exposed + idle
         copies = payload / c.host_rate
         step_work = c.compute_s + c.step_overhead_s
+        # Lockstep: the exchange releases every worker at once, so all of them compute at the same time
+        # and then all wait on the wire together. A process wants the CPU while it computes and copies,
+        # not spread over the whole cycle: a slow link leaves the cores idle during the exchange but does
+        # not speed up the computes (on 2 cores, 4 workers compute at half speed at any link rate). Of
+        # the exposed exchange, the copies' share of the transfer is CPU work (all of it when the copies
+        # are what bound it), the rest a wait on the wire.
+        copying = min(1.0, copies / slowest / transfer) if transfer > 0 else 0.0
         for group in self.classes:
             group.steps, group.cycle, group.idle = steps, cycle, idle
             group.exposed = cycle - steps * step_work / group.speed
             group.work = steps * step_work + copies
+            group.runnable = steps * step_work / group.speed + exposed * copying
 
     # --- the parameter server: async, ssp, easgd -------------------------------------------------------
 
