@@ -274,3 +274,54 @@ def test_user_error_on_a_worker_reaches_the_client_with_its_traceback_and_ends_t
     assert_nothing_left_behind(client, before, run)
     following = assert_a_normal_run_trains(client, run_dir, strategy)
     assert_nothing_left_behind(client, before, following)
+
+
+class LossAfterTheShardIsGone:
+    """Cross-entropy that raises at step `at_step` on every worker: at once on `shard_worker` (rank 0, which
+    holds the parameter server's one shard and releases it as it fails), elsewhere only once that shard is
+    gone from its worker, so that the other rank fails on its own while the server it must tell is gone."""
+
+    def __init__(self, shard_worker: str, at_step: int) -> None:
+        self.shard_worker, self.at_step = shard_worker, at_step
+        self.calls = 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        step, self.calls = self.calls, self.calls + 1
+        if step == self.at_step:
+            if _this_worker() != self.shard_worker:
+                _wait_for_no_shard_on(self.shard_worker)
+            raise UserLossError(f"label smoothing table has no entry for step {step}")
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    def __repr__(self) -> str:
+        return "LossAfterTheShardIsGone()"
+
+
+def _server_actors(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.state.actors if "-server-" in str(key)]
+
+
+def _wait_for_no_shard_on(address: str) -> None:
+    client = distributed.get_client()
+    wait_until(lambda: not client.run(_server_actors, workers=[address])[address], timeout_s=60, interval_s=0.01)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_fails_after_the_server_is_gone_still_ends_with_the_group(client, run_dir, contained):
+    # Rank 0 fails and releases the server; rank 1 then fails on its own and, closing, tells a server that
+    # is gone. Dask's call to a vanished actor never answers: only the group's end (the poller) may end
+    # that wait. With the poller stopped before the strategy closed, rank 1 waited its whole timeout,
+    # the client counted it stuck and regrouped without it, and its thread stayed in the process group.
+    addresses = _worker_addresses(client)
+    before = _worker_state(client)
+    job = workbench.Job(model=workbench.mlp(8, 2), data=(INPUTS, TARGETS), batch_size=BATCH_SIZE, steps=100_000,
+                        loss=LossAfterTheShardIsGone(addresses[0], FAIL_AT_STEP))
+    run = workbench.train(job, "async", client=client, run_dir=run_dir, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    with pytest.raises(workbench.TrainingError, match="UserLossError"):
+        run.wait(timeout=WAIT_S)
+    # One group, both ranks in it to the end: nobody was counted lost, no regroup.
+    assert run.events("worker-lost") == [] and run.events("regrouped") == []
+    assert len(run.events("generation-started")) == 1 and run.worker_addresses == addresses
+    ended = {r["worker"] for r in run.events("worker-failed") + run.events("worker-left")}
+    assert ended == {0, 1}, (run.events("worker-failed"), run.events("worker-left"))
+    assert_nothing_left_behind(client, before, run)

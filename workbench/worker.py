@@ -113,11 +113,17 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         return {"rank": task.rank, "steps": loop.step, "stopped": True, "superseded": True, "state_dict": None,
                 "checkpoint": None}
     finally:
+        # Leave before the poller stops: closing the strategy may wait on a server shard that is gone (a
+        # peer that failed released it; Dask's call to a vanished actor never answers), and only the
+        # poller tells that wait the group was ended. Closed first, a rank that failed on its own waited
+        # out its whole timeout there, and the client counted it stuck and regrouped without it.
         try:
             sender.flush()
-            poller.close()
         finally:
-            _leave(loop)
+            try:
+                _leave(loop)
+            finally:
+                poller.close()
 
 
 def _leave(loop: _Loop, abandoned: bool = False) -> None:
