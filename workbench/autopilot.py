@@ -25,7 +25,7 @@ WIDE_WINDOW_S = 8.0
 EARLIEST_S = 0.5  # a judgement on a newly landed exchange comes at least this long after the last one
 # The run's first judgement comes as soon as every worker has this many steps past its first WARMUP_STEPS
 # (which allocate and connect, and read slow), not at the first 2 s tick: under `allreduce` every step
-# is an exchange, and on the lab's unlimited link the first move came 73-177 steps in, each at a third
+# is an exchange, and on the lab's unlimited link the first move took effect 88-177 steps in, each at a third
 # of averaging's throughput (1-2 s of a run that averaging finishes in about 50).
 FIRST_STEPS = 24
 WARMUP_STEPS = 8
