@@ -47,7 +47,7 @@ class AutoPilot:
         self.window_s = window_s
         self.on = True
         self.decisions = 0
-        self.judged = 0  # windows judged so far (a test waits on it)
+        self.judged = 0  # windows judged so far that held enough steps to measure (a test waits on it)
         self.last_window: Any = None  # what the last judgement saw
         self._next = self._judged_at = 0.0
         # Per worker, the newest record whose exchanges were judged. An exchange counts as evidence once:
@@ -116,12 +116,14 @@ class AutoPilot:
         """Before the first judgement: every worker's steps past its warm-up, once each has FIRST_STEPS
         of them (None before that)."""
         workers = len(run.worker_addresses)
+        if workers < 2:  # nothing to choose between (the chooser judges nothing either)
+            return None
         by_worker: dict[int, list[dict[str, Any]]] = {w: [] for w in range(workers)}
         for record in run.table.recent_steps(WIDE_WINDOW_S):
             if record.get("strategy") == run.strategy and record["worker"] < workers:
                 by_worker[record["worker"]].append(record)
         kept = [sorted(steps, key=lambda r: r["step"])[WARMUP_STEPS:] for steps in by_worker.values()]
-        if workers < 2 or min(len(steps) for steps in kept) < FIRST_STEPS:
+        if min(len(steps) for steps in kept) < FIRST_STEPS:
             return None
         return [record for steps in kept for record in steps]
 
