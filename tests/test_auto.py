@@ -283,29 +283,6 @@ def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by
     assert len(slow) >= 2 and slow[1] <= t <= landed_on_both + 0.1 + 0.01, (t, slow, landed_on_both)
 
 
-def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_warm_up():
-    """Under allreduce every step is an exchange: the first move need not wait for the 2 s tick. Steps of
-    10 ms compute and 10 ms all-reduce (1 step: average, period 16) after 8 warm-up steps of 100 ms
-    compute (which, counted, would make the exchange 0.31 steps and the period 4). Ticked every step."""
-    from workbench.autopilot import FIRST_STEPS, WARMUP_STEPS, AutoPilot
-
-    run, pilot = _Run(), AutoPilot(workers=2)
-    run.strategy, run.settings = "allreduce", {}
-    t, step = 0.0, 0
-    pilot.tick(run, t)  # the run's start: nothing measured yet
-    while t < 3 and not run.switches:
-        compute = 0.1 if step < WARMUP_STEPS else 0.01
-        t = round(t + compute + 0.01, 3)
-        run.table.add([{"kind": "step", "worker": w, "step": step, "time": t + 0.001 * w, "samples": 32,
-                        "compute_s": compute, "comm_s": 0.01, "wait_s": 0.0, "loss": 1.0, "strategy": run.strategy}
-                       for w in (0, 1)])
-        step += 1
-        pilot.tick(run, t)
-    assert run.switches == [("average", {"period": 16, "overlap": True})], run.switches
-    assert step == WARMUP_STEPS + FIRST_STEPS and t < 1.5, (step, t)  # at the tick after the last of them, not at 2 s
-    assert pilot.judged == 1
-
-
 # --- on a real 2-process cluster --------------------------------------------------------------------------
 
 @pytest.mark.cluster
