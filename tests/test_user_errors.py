@@ -289,7 +289,7 @@ class LossAfterTheShardIsGone:
         step, self.calls = self.calls, self.calls + 1
         if step == self.at_step:
             if _this_worker() != self.shard_worker:
-                _wait_for_no_shard_on(self.shard_worker)
+                _wait_for_no_server_shard()
             raise UserLossError(f"label smoothing table has no entry for step {step}")
         return torch.nn.functional.cross_entropy(outputs, targets)
 
@@ -297,13 +297,10 @@ class LossAfterTheShardIsGone:
         return "LossAfterTheShardIsGone()"
 
 
-def _server_actors(dask_worker) -> list[str]:
-    return [str(key) for key in dask_worker.state.actors if "-server-" in str(key)]
-
-
-def _wait_for_no_shard_on(address: str) -> None:
+def _wait_for_no_server_shard() -> None:
+    """Until no worker holds a parameter-server shard (tests run one at a time on the shared cluster)."""
     client = distributed.get_client()
-    wait_until(lambda: not client.run(_server_actors, workers=[address])[address], timeout_s=60, interval_s=0.01)
+    wait_until(lambda: not any(_run_actors(client, "-server-").values()), timeout_s=60, interval_s=0.01)
 
 
 @pytest.mark.timeout(300)
