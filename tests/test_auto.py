@@ -117,6 +117,29 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
         assert chooser.observe(window("easgd", 0.01, rates={0: 1000.0, 1: 450.0}), {"period": 16}, t) is None
 
 
+def test_easgd_taken_for_the_link_comes_back_with_the_link_though_the_centers_host_reads_slower():
+    # Under easgd the worker holding the center serves every push on its own CPU: on the lab it read 0.65
+    # of the others' speed for as long as easgd ran. Taken for the link, the way back is the link's alone.
+    chooser = past_its_first_choice(Chooser(workers=3, confirm=2, min_interval_s=0))
+    bf16 = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    even = {0: 1000.0, 1: 1000.0, 2: 1000.0}
+    move = chooser.observe(window("average", 30.0, rates=even), bf16, 0)  # clear: one window of confirm=2
+    assert move.strategy == "easgd" and "hides even in bf16" in move.reason
+    assert chooser.for_link and chooser.straggler is None
+    serving = {0: 650.0, 1: 1000.0, 2: 1000.0}  # worker 0 holds the center
+    assert chooser.observe(window("easgd", 8.0, rates=serving), {"period": 16}, 2) is None  # link still slow
+    assert chooser.observe(window("easgd", 0.2, rates=serving), {"period": 16}, 3) is None  # confirm=2: once
+    back = chooser.observe(window("easgd", 0.2, rates=serving), {"period": 16}, 4)
+    assert (back.strategy, back.settings) == ("average", {"period": 32, "overlap": True})
+    assert "the link is back (2.0 steps an exchange)" in back.reason and not chooser.for_link
+    # Taken for a straggler, the same readings keep it: the spread is what it waits on.
+    chooser = past_its_first_choice(Chooser(workers=3, confirm=1, min_interval_s=0))
+    took = chooser.observe(window("average", 0.05, rates={0: 1000.0, 1: 1000.0, 2: 400.0}), {"period": 8}, 0)
+    assert took.strategy == "easgd" and not chooser.for_link and chooser.straggler is not None
+    slow_center = {0: 650.0, 1: 1000.0, 2: 600.0}  # the straggler not quite back, the center's host slower
+    assert [chooser.observe(window("easgd", 0.2, rates=slow_center), {"period": 16}, t) for t in (1, 2, 3)] == [None] * 3
+
+
 def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
     uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
@@ -281,6 +304,29 @@ def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by
     assert run.switches and run.switches[0][0] == "easgd", run.switches
     landed_on_both = max(min(x for x in landed[w] if x > slow[0] + 1) for w in (0, 1)) if len(slow) >= 2 else None
     assert len(slow) >= 2 and slow[1] <= t <= landed_on_both + 0.1 + 0.01, (t, slow, landed_on_both)
+
+
+def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_warm_up():
+    """Under allreduce every step is an exchange: the first move need not wait for the 2 s tick. Steps of
+    10 ms compute and 10 ms all-reduce (1 step: average, period 16) after 8 warm-up steps of 100 ms
+    compute (which, counted, would make the exchange 0.31 steps and the period 4). Ticked every step."""
+    from workbench.autopilot import FIRST_STEPS, WARMUP_STEPS, AutoPilot
+
+    run, pilot = _Run(), AutoPilot(workers=2)
+    run.strategy, run.settings = "allreduce", {}
+    t, step = 0.0, 0
+    pilot.tick(run, t)  # the run's start: nothing measured yet
+    while t < 3 and not run.switches:
+        compute = 0.1 if step < WARMUP_STEPS else 0.01
+        t = round(t + compute + 0.01, 3)
+        run.table.add([{"kind": "step", "worker": w, "step": step, "time": t + 0.001 * w, "samples": 32,
+                        "compute_s": compute, "comm_s": 0.01, "wait_s": 0.0, "loss": 1.0, "strategy": run.strategy}
+                       for w in (0, 1)])
+        step += 1
+        pilot.tick(run, t)
+    assert run.switches == [("average", {"period": 16, "overlap": True})], run.switches
+    assert step == WARMUP_STEPS + FIRST_STEPS and t < 1.5, (step, t)  # at the tick after the last of them, not at 2 s
+    assert pilot.judged == 1
 
 
 # --- on a real 2-process cluster --------------------------------------------------------------------------

@@ -157,9 +157,15 @@ def _lr_factor(current: str, chosen: str, workers: int) -> float:
     return 1.0
 
 
-def fitting(window: Window, settings: dict[str, Any], spread: float | None = None) -> tuple[str, dict[str, Any], str] | None:
+def fitting(window: Window, settings: dict[str, Any], spread: float | None = None,
+            for_link: bool = False) -> tuple[str, dict[str, Any], str] | None:
     """The strategy and settings the window calls for, with the reason; None: the current one fits.
-    `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one)."""
+    `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one).
+    `for_link`: the run is asynchronous because the link was too slow, not for a straggler: the way back
+    is the link's alone. Under easgd the worker that holds the center serves every push on its own host's
+    CPU and reads slower than the others (measured on the lab, three hosts at half a core: 2.5-3.5 ms a
+    step against 1.8-2.0, a spread of 0.6-0.7 for a minute after the link came back, never "even"): the
+    spread then reads the strategy, not the hosts. A straggler that is real shows once synchronous again."""
     spread = window.speed_spread if spread is None else spread
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
@@ -169,7 +175,7 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return (STRAGGLER_STRATEGY, {"period": period},
                 f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {STRAGGLER_STRATEGY}, period {period} "
                 f"(nobody waits: each worker exchanges with the center on its own)")
-    if asynchronous and spread < STRAGGLER_GONE_ABOVE:
+    if asynchronous and spread < STRAGGLER_GONE_ABOVE and not for_link:
         return None  # still uneven: stay asynchronous
     if steps is None:
         return None
@@ -179,11 +185,12 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
                 f"{LINK_BOUND_STRATEGY}, period {LINK_BOUND_PERIOD} (only the workers behind the slow link wait, each on its own)")
     if asynchronous and steps >= MAX_PERIOD:
         return None  # the link is still too slow for averaging: stay
-    if asynchronous:  # even again: the link decides between the synchronous strategies
+    if asynchronous:  # even again, or the link back: the link decides between the synchronous strategies
+        why = f"the link is back ({steps:.1f} steps an exchange)" if for_link else f"workers even again ({spread:.0%})"
         if steps >= AVERAGE_ABOVE:
             chosen, words = _averaging(steps, {})
-            return ("average", chosen, f"workers even again ({spread:.0%}), an exchange costs {steps:.1f} steps: {words}")
-        return ("allreduce", {}, f"workers even again ({spread:.0%}), an exchange costs {steps:.2f} steps: allreduce (exact)")
+            return ("average", chosen, f"{why}, an exchange costs {steps:.1f} steps: {words}")
+        return ("allreduce", {}, f"{why}, an exchange costs {steps:.2f} steps: allreduce (exact)")
     if current == "allreduce" and steps >= AVERAGE_ABOVE:
         chosen, words = _averaging(steps, {})
         return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {words}")
@@ -246,6 +253,7 @@ class Chooser:
         self.spread: float | None = None  # what the last decision was judged by
         self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
         self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
+        self.for_link = False  # asynchronous because the link was too slow (`fitting`)
 
     @property
     def pending(self) -> bool:
@@ -259,7 +267,7 @@ class Chooser:
             # over the recent windows (`recovered_spread`).
             asynchronous = window.strategy not in SYNCHRONOUS
             self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
-        found = fitting(window, settings, self.spread) if window is not None else None
+        found = fitting(window, settings, self.spread, self.for_link) if window is not None else None
         if found is None and (window is None or window.exchange_s is None):
             # Too few steps or no exchange landed in the window (a slow link, a switch being made):
             # neither for nor against a candidate.
@@ -295,9 +303,10 @@ class Chooser:
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
+            self.for_link = self.spread is None or self.spread >= STRAGGLER_BELOW  # not for a straggler
             others = [t for w, t in window.compute_s.items() if w != window.slowest]
-            self.straggler = (window.slowest, statistics.median(others)) if others else None
+            self.straggler = (window.slowest, statistics.median(others)) if others and not self.for_link else None
         elif strategy in SYNCHRONOUS:
-            self.straggler = None
+            self.straggler, self.for_link = None, False
         self._recent = []  # a new strategy: measure afresh
         return Choice(strategy, chosen, _lr_factor(window.strategy, strategy, self.workers), reason)

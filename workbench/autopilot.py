@@ -23,6 +23,12 @@ WINDOW_S = 2.0  # seconds of step records one judgement looks at
 # 16 steps waits seconds per exchange (measured at 20 Mbit/s: 3-4 s), and a short window holds none.
 WIDE_WINDOW_S = 8.0
 EARLIEST_S = 0.5  # a judgement on a newly landed exchange comes at least this long after the last one
+# The run's first judgement comes as soon as every worker has this many steps past its first WARMUP_STEPS
+# (which allocate and connect, and read slow), not at the first 2 s tick: under `allreduce` every step
+# is an exchange, and on the lab's unlimited link the first move took effect 88-177 steps in, each at a third
+# of averaging's throughput (1-2 s of a run that averaging finishes in about 50).
+FIRST_STEPS = 24
+WARMUP_STEPS = 8
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +47,7 @@ class AutoPilot:
         self.window_s = window_s
         self.on = True
         self.decisions = 0
-        self.judged = 0  # windows judged so far (a test waits on it)
+        self.judged = 0  # windows judged so far that held enough steps to measure (a test waits on it)
         self.last_window: Any = None  # what the last judgement saw
         self._next = self._judged_at = 0.0
         # Per worker, the newest record whose exchanges were judged. An exchange counts as evidence once:
@@ -53,10 +59,14 @@ class AutoPilot:
     def tick(self, run: Any, now: float) -> None:
         """Judge the last window when one is due, or sooner when the exchange it waits on has landed;
         switch the run if the chooser says so."""
-        if not self.on or run.status != "running" or (now < self._next and not self._evidence_landed(run, now)):
+        if not self.on or run.status != "running":
+            return
+        first = self._first_steps(run) if self.judged == 0 else None
+        if now < self._next and first is None and not self._evidence_landed(run, now):
             return
         self._next, self._judged_at = now + self.window_s, now
-        window, newest = self._measure(run, self.window_s)
+        window, newest = (measure(first, run.strategy), _newest(first)) if first is not None else \
+            self._measure(run, self.window_s)
         if window is None or window.exchange_s is None:
             wide, wide_newest = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
             if wide is not None:
@@ -64,7 +74,7 @@ class AutoPilot:
         if window is not None and window.exchange_s is not None:
             self._since = newest  # the exchanges judged now are not evidence again
         choice = self.chooser.observe(window, run.settings, now)
-        self.judged, self.last_window = self.judged + 1, window
+        self.judged, self.last_window = self.judged + (window is not None), window
         if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
             log.debug("auto %s: spread %.2f (window %.2f), exchange %s steps, compute %s, seen %d",
                       window.strategy, self.chooser.spread or 0, window.speed_spread, window.exchange_in_steps,
@@ -102,15 +112,27 @@ class AutoPilot:
         window, _ = self._measure(run, now - self._judged_at)
         return window is not None and window.exchange_s is not None
 
+    def _first_steps(self, run: Any) -> list[dict[str, Any]] | None:
+        """Before the first judgement: every worker's steps past its warm-up, once each has FIRST_STEPS
+        of them (None before that)."""
+        workers = len(run.worker_addresses)
+        if workers < 2:  # nothing to choose between (the chooser judges nothing either)
+            return None
+        by_worker: dict[int, list[dict[str, Any]]] = {w: [] for w in range(workers)}
+        for record in run.table.recent_steps(WIDE_WINDOW_S):
+            if record.get("strategy") == run.strategy and record["worker"] < workers:
+                by_worker[record["worker"]].append(record)
+        kept = [sorted(steps, key=lambda r: r["step"])[WARMUP_STEPS:] for steps in by_worker.values()]
+        if min(len(steps) for steps in kept) < FIRST_STEPS:
+            return None
+        return [record for steps in kept for record in steps]
+
     def _measure(self, run: Any, seconds: float) -> tuple[Any, dict[int, float]]:
         """The window of the last `seconds`, counting only exchanges not judged before, and each worker's
         newest record in it."""
         workers = len(run.worker_addresses)
         records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy and r["worker"] < workers]
-        newest: dict[int, float] = {}
-        for record in records:
-            newest[record["worker"]] = max(newest.get(record["worker"], record["time"]), record["time"])
-        return measure(records, run.strategy, self._since), newest
+        return measure(records, run.strategy, self._since), _newest(records)
 
     def turn_on(self, run: Any) -> None:
         """Choose again from now on, judging afresh (what was measured before the pin is history)."""
@@ -123,3 +145,11 @@ class AutoPilot:
         if self.on:
             self.on = False
             run.feed.publish({"kind": kinds.AUTO_PINNED, "time": time.time(), "strategy": run.strategy, "why": why})
+
+
+def _newest(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Each worker's newest record time."""
+    newest: dict[int, float] = {}
+    for record in records:
+        newest[record["worker"]] = max(newest.get(record["worker"], record["time"]), record["time"])
+    return newest
