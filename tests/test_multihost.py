@@ -235,6 +235,8 @@ def test_lab_refuses_bad_conditions_naming_them():
         lab.set_cpu(0, 0)
     with pytest.raises(ValueError, match="period_ms=0.5 is not allowed: expected 1 to 1000"):
         lab.set_cpu(0, 0.5, period_ms=0.5)
+    with pytest.raises(ValueError, match="share=0.05 over period_ms=10 is not allowed"):
+        lab.set_cpu(0, 0.05, period_ms=10)
     with pytest.raises(ValueError, match="hosts=1"):
         labs.Lab(hosts=1)
 
@@ -247,16 +249,10 @@ HOST_PERIOD_MS = 10
 SLOW_LINK = "5mbit"  # a float32 exchange of the model here, hundreds of steps: past what averaging hides
 
 
-def _decisions(run, count, timeout_s):
-    """The run's first `count` auto decisions, once there are that many."""
-    run._wait_for(lambda: len(run.events(kinds.AUTO_DECISION)) >= count, timeout_s, f"{count} auto decisions")
-    return run.events(kinds.AUTO_DECISION)
-
-
-def _next_decision(run, before, timeout_s):
-    """The first auto decision after the first `before`, and when it came."""
-    decision = _decisions(run, before + 1, timeout_s)[before]
-    return decision, decision["time"]
+def _next_decision(run, before, timeout_s=60):
+    """The run's auto decision after its first `before`, once it has come."""
+    run._wait_for(lambda: len(run.events(kinds.AUTO_DECISION)) > before, timeout_s, f"{before + 1} auto decisions")
+    return run.events(kinds.AUTO_DECISION)[before]
 
 
 def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_workers, tmp_path):
@@ -279,31 +275,31 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         # compute, more than period 64 hides even in bf16, wherever the unlimited link left it: easgd.
         lab.set_rate(SLOW_LINK)
         changed = time.time()
-        slow_link, at = _next_decision(run, before, 60)
-        timings["link"] = at - changed
+        slow_link = _next_decision(run, before)
+        timings["link"] = slow_link["time"] - changed
         assert slow_link["to"] == "easgd" and "more than period 64 hides even in bf16" in slow_link["reason"]
         assert slow_link["measured"]["exchange_in_steps"] > 64, slow_link
         # 2. The link comes back: synchronous again (the worker holding easgd's center reads slower, but
         # the move was for the link, and the link decides the way back).
         lab.set_rate(None)
         restored = time.time()
-        link_back, at = _next_decision(run, before + 1, 60)
-        timings["link back"] = at - restored
+        link_back = _next_decision(run, before + 1)
+        timings["link back"] = link_back["time"] - restored
         assert link_back["to"] in SYNCHRONOUS and "the link is back" in link_back["reason"], link_back
         assert link_back["lr"] == pytest.approx(job.lr)
         # 3. The last worker host at 40% of the others' CPU: a straggler, which nobody should wait for.
         lab.set_cpu(WORKER_HOSTS, 0.4 * HOST_SHARE, period_ms=HOST_PERIOD_MS)
         slowed = time.time()
-        straggler, at = _next_decision(run, before + 2, 60)
-        timings["straggler"] = at - slowed
+        straggler = _next_decision(run, before + 2)
+        timings["straggler"] = straggler["time"] - slowed
         assert straggler["to"] == "easgd", straggler
         assert f"worker {WORKER_HOSTS - 1} computes at" in straggler["reason"] and "nobody waits" in straggler["reason"]
         assert straggler["lr"] == pytest.approx(job.lr)  # each worker steps at the job's lr
         # 4. The host gets its CPU back: synchronous again, the lr back where it was.
         lab.set_cpu(WORKER_HOSTS, HOST_SHARE, period_ms=HOST_PERIOD_MS)
         restored = time.time()
-        back, at = _next_decision(run, before + 3, 60)
-        timings["back"] = at - restored
+        back = _next_decision(run, before + 3)
+        timings["back"] = back["time"] - restored
         assert back["to"] in SYNCHRONOUS and "workers even again" in back["reason"], back
         assert back["lr"] == pytest.approx(job.lr)
         # One decision per condition change at most: no flapping.

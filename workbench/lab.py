@@ -182,9 +182,12 @@ class Lab:
         if not 1 <= period_ms <= 1000:
             raise ValueError(f"period_ms={period_ms!r} is not allowed: expected 1 to 1000 (ms)")
         period = int(period_ms * 1000)
-        quota = -1 if share is None else max(1000, int(share * period))  # the kernel's least quota: 1 ms
+        quota = -1 if share is None else int(share * period)
+        if 0 <= quota < 1000:  # the kernel's least quota
+            raise ValueError(f"share={share!r} over period_ms={period_ms!r} is not allowed: "
+                             f"at least 1 ms of CPU a period (share x period_ms >= 1)")
         cgroup = self.cgroup(host)
-        # A quota larger than a new period is refused only where children's quotas exceed it (none here).
+        # The period first: the quota is a share of it (a quota above its period, several cores, is allowed).
         (cgroup / "cpu.cfs_period_us").write_text(str(period))
         (cgroup / "cpu.cfs_quota_us").write_text(str(quota))
 
