@@ -98,7 +98,7 @@ def test_live_changes_of_the_slow_link_settings_and_a_switch_with_an_exchange_in
         off = change(overlap=False)
         again = change(overlap=True)
         since = time.time()
-        run.switch("allreduce")  # agreed at a sync point, where an exchange has just started
+        run.switch("allreduce")  # agreed just before a sync, with the last sync's exchange in flight
         switched = run.wait_for_event("switched", since)
     finally:
         run.stop()
@@ -140,7 +140,7 @@ def test_a_checkpoint_with_an_exchange_in_flight_changes_nothing_in_training(cli
 
 
 def test_a_run_resumes_from_a_checkpoint_taken_with_an_exchange_in_flight(client, run_dir, tmp_path):
-    # A checkpoint asked for mid-run (agreed at a sync point, just after an exchange started), kept aside
+    # A checkpoint asked for mid-run (agreed just before a sync, with the last one's exchange in flight), kept aside
     # as if the run had crashed right after it.
     slow = Run(digits_job(steps=240, epochs=None), "average", client=client, workers=None, run_dir=run_dir,
                name="slow", collective_timeout_s=60, settings=OUTER_OVERLAPPED, step_delays={0: 0.004, 1: 0.004},
@@ -156,7 +156,8 @@ def test_a_run_resumes_from_a_checkpoint_taken_with_an_exchange_in_flight(client
     slow.wait(timeout=60)
     saved = checkpoints.load(crashed)
     state = saved["strategy_state"]
-    assert state["exchange_in_flight"] and saved["step"] % 4 == 0 and state["steps_since_sync"] == 0
+    # Agreed one step before a sync: the exchange started at the last sync is still in flight.
+    assert state["exchange_in_flight"] and saved["step"] % 4 == 3 and state["steps_since_sync"] == 3
     assert state["global_weights"].numel() == PARAMETERS and state["outer_momentum_buffer"].numel() == PARAMETERS
     resumed = workbench.resume(crashed, client=client)
     assert resumed.wait(timeout=120) == "finished"

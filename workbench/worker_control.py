@@ -188,7 +188,7 @@ class ControlPoint:
                 changes["settings"] = live
                 # A new period moves the sync points; agree again at the next one (the same on every rank,
                 # unlike the timing-based interval only rank 0 computes).
-                interval = strategy.control_alignment()
+                interval = strategy.steps_to_control_point()
         if changes:
             loop.sender.event(kinds.CHANGED, step=loop.step, strategy=strategy.name, **changes)
         return interval
@@ -203,10 +203,11 @@ class ControlPoint:
 
     def _control_interval(self) -> int:
         """Steps until the next agreement: about CONTROL_AGREEMENT_S of training, on the strategy's grid."""
-        alignment = self.loop.strategy.control_alignment()
+        strategy = self.loop.strategy
+        alignment, first = strategy.control_alignment(), strategy.steps_to_control_point()
         step_s = self.loop.recent_step_s or CONTROL_AGREEMENT_S
         multiples = max(1, round(self.agreement_s / (step_s * alignment)))
-        return min(multiples * alignment, max(alignment, MAX_CONTROL_INTERVAL_STEPS))
+        return min(first + (multiples - 1) * alignment, max(first, MAX_CONTROL_INTERVAL_STEPS))
 
     # --- rendezvous and switch ------------------------------------------------------------------------
 

@@ -169,6 +169,10 @@ class Strategy:
         """Control agreements among workers (pause, stop, lr) happen at multiples of this many steps."""
         return 1
 
+    def steps_to_control_point(self) -> int:
+        """Steps from this one to the next point on the `control_alignment` grid (1 or more)."""
+        return self.control_alignment()
+
     def update_settings(self, changes: dict[str, Any]) -> None:
         """Apply live setting changes (already validated on the client)."""
         self.settings = dataclasses.replace(self.settings, **changes)
