@@ -174,10 +174,11 @@ def test_a_switch_to_a_strategy_of_common_weights_averages_first():
     assert switched[0]["weights_after"] == pytest.approx(mean, rel=1e-5)
 
 
-def test_an_overlapped_exchange_that_ended_behind_the_steps_counts_all_its_time_as_hidden():
+def test_an_overlapped_exchange_that_ended_behind_the_steps_counts_all_its_time_once():
     # In process the ranks agree at every step, so an exchange started at a sync has ended by the next:
-    # each sync after the first reports it whole (`exchange_s`), and all of it as hidden, no more, no
-    # less. (On a cluster how many end in time depends on the machine's load: tests/test_slow_sync.py.)
+    # each sync after the first reports it whole (`exchange_s`), in `comm_total_s` once; as hidden all
+    # but what the control point just before the sync waited for it (`settle`: microseconds here), which
+    # the step paid. (On a cluster how many end in time depends on the load: tests/test_slow_sync.py.)
     run = train_in_process(job(steps=40), "average", WORLD, period=4, overlap=True)
     for rank in range(WORLD):
         syncs = [r for r in run.steps(rank) if r.get("bytes_sent")]
@@ -185,4 +186,5 @@ def test_an_overlapped_exchange_that_ended_behind_the_steps_counts_all_its_time_
         assert syncs[0].get("exchange_s") is None  # the first sync only starts one
         for record in syncs[1:]:
             assert record["exchange_s"] > 0
-            assert abs(record["comm_total_s"] - record["comm_s"] - record["exchange_s"]) < 1e-9
+            hidden, beyond = record["comm_total_s"] - record["comm_s"], record["comm_total_s"] - record["exchange_s"]
+            assert 0 <= hidden <= record["exchange_s"] + 1e-9 and 0 <= beyond <= record["comm_s"] + 1e-9

@@ -269,6 +269,7 @@ class _Loop:
         after_step = self.strategy.after_step(context, self.step)
         comm_s = report.get("comm_s", 0.0) + after_step.get("comm_s", 0.0)
         strategy_wait_s = after_step.get("wait_s", 0.0)  # e.g. SSP holding a worker back
+        settled_s = self.control.take_settled_s()  # an exchange waited for at the control point, before the step
         loss_value = float(loss.detach())
         elapsed = time.perf_counter() - started
         self.recent_step_s = elapsed if not self.recent_step_s else 0.9 * self.recent_step_s + 0.1 * elapsed
@@ -278,7 +279,8 @@ class _Loop:
         record = {
             "worker": self.task.rank, "step": self.step, "epoch": epoch, "time": time.time(),
             "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s - strategy_wait_s,
-            "comm_s": comm_s, "wait_s": wait_s + strategy_wait_s, "lr": context.optimizer.param_groups[0]["lr"],
+            "comm_s": comm_s + settled_s, "wait_s": wait_s - settled_s + strategy_wait_s,
+            "lr": context.optimizer.param_groups[0]["lr"],
             "strategy": self.strategy.name,
         }
         # Strategy-specific fields: steps_since_sync, divergence, staleness, bytes_sent, clock, ...

@@ -55,6 +55,7 @@ class ControlPoint:
         self.pending_checkpoint: int | None = None
         self.checkpoint_at = 0
         self.next_agreement = 0
+        self.settled_s = 0.0  # waited at this control point for the strategy's exchange in flight (`settle`)
         self.joined_group = False
         self.group_broken = False
 
@@ -140,6 +141,7 @@ class ControlPoint:
         switch before the pause (or the other way round); a paused run pauses again after the switch.
         """
         loop, strategy = self.loop, self.loop.strategy
+        self._settle()  # before reading the control state: what arrived meanwhile is agreed on now
         control, interval = self._agree(self.poller.latest())
         if control.checkpoint_id > self.known_checkpoint and not strategy.uses_process_group:
             self.known_checkpoint = control.checkpoint_id
@@ -201,6 +203,17 @@ class ControlPoint:
             {"control": local.to_message(), "interval": self._control_interval()} if self.task.rank == 0 else None)
         return ControlState.from_message(message["control"]), message["interval"]
 
+    def _settle(self) -> None:
+        """Let the strategy finish what it has in flight on the process group before the ranks exchange
+        control messages on it (`Strategy.settle`)."""
+        self.settled_s += self.loop.strategy.settle(self.loop.context)
+
+    def take_settled_s(self) -> float:
+        """The seconds this control point waited on the strategy's exchange since last asked: the step's
+        record counts them as communication, not as a wait for control."""
+        settled, self.settled_s = self.settled_s, 0.0
+        return settled
+
     def _control_interval(self) -> int:
         """Steps until the next agreement: about CONTROL_AGREEMENT_S of training, on the strategy's grid."""
         strategy = self.loop.strategy
@@ -213,6 +226,7 @@ class ControlPoint:
 
     def _rendezvous(self, at_end: bool, stopping: bool = False) -> Decision:
         """Meet every other rank (see `switching`); all return the same decision."""
+        self._settle()
         latest = self.poller.latest()
         newest = latest if latest.version > self.control.version else self.control
         position = Position(self.loop.step, at_end, stopping, newest.to_message())

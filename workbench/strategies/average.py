@@ -16,7 +16,8 @@ Every worker's weights are always the common global weights (`global_weights`, e
 plus its own progress not yet averaged; that invariant is what lets overlap be switched on and off
 live. Metrics: steps since the last sync; at each sync `bytes_sent` (what a ring all-reduce sends per
 worker), `comm_s` (what the step paid: the wait plus copying weights in and out), `comm_total_s` (that
-plus the part of the exchange that ran hidden behind training) and the worker's relative divergence
+plus the rest of the exchange's time: hidden behind training, or waited for at the control point the step
+before, `settle`) and the worker's relative divergence
 from the average it receives.
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Average(Strategy):
         fits = isinstance(buffer, torch.Tensor) and buffer.shape == weights.shape
         self.outer_buffer = buffer.to(weights.device, copy=True) if fits else None
         self.exchange: _Exchange | None = None
-        self.landed_between_steps_s = 0.0  # an exchange applied between steps (overlap turned off)
+        self.settled_s = 0.0  # waited for an exchange at the control point since the last sync (`settle`)
 
     def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
         self.restored = strategy_state
@@ -142,12 +143,27 @@ class Average(Strategy):
             report = self._overlapped_sync()
         else:
             report = self._synchronise(context)
-            report["comm_s"] = report["comm_total_s"] = time.perf_counter() - started
-        # An exchange landed between steps (overlap turned off) is counted with the next sync.
-        report["comm_s"] += self.landed_between_steps_s
-        report["comm_total_s"] += self.landed_between_steps_s
-        self.landed_between_steps_s = 0.0
+            report["comm_s"] = time.perf_counter() - started
+            # An overlapped exchange waited for at the control point, then applied there (overlap turned
+            # off): the step's record counts that wait in its comm_s, so its total has it too.
+            report["comm_total_s"] = report["comm_s"] + self.settled_s
+        self.settled_s = 0.0
         return {**report, "steps_since_sync": 0}
+
+    def settle(self, context: TrainingContext) -> float:
+        # The control point comes one step before a sync (`steps_to_control_point`), which would wait for
+        # this exchange anyway: waited for there instead, a switch agreed on lands it at once. On a link
+        # where an exchange outlasts its period it is always in flight, and a switch waited for it whole
+        # (1-1.2 s at 20 Mbit/s, after the agreement's messages had queued behind it for as long again).
+        if self.exchange is None:
+            return 0.0
+        started = time.perf_counter()
+        self.comm.wait(self.exchange.work)  # decoded at the sync, as without a control point before it
+        # Up to its end as its completion callback saw it: the step's record then counts it once, as
+        # waited for here (comm_s) or hidden (comm_total_s beyond comm_s).
+        waited = max(0.0, min(self.exchange.finished, time.perf_counter()) - started)
+        self.settled_s += waited
+        return waited
 
     def finish(self, context: TrainingContext) -> None:
         if self.exchange is not None:
@@ -175,22 +191,22 @@ class Average(Strategy):
 
     def steps_to_control_point(self) -> int:
         # The point is just before the step that ends a period, not just after it: a switch (or a
-        # checkpoint) agreed there goes before that step's exchange starts, instead of waiting for an
-        # exchange it then throws away (on a 20 Mbit/s link, 1.5-2 s of a switch's 4 s).
+        # checkpoint) agreed there goes before that step's exchange starts, and `settle` waits there for
+        # the one before it, which that step's sync would wait for anyway (just after the sync it would
+        # wait for the exchange just started, and overlap would hide nothing).
         if self.control_alignment() == 1:
             return 1
         ahead = self.settings.period - 1 - self.steps_since_sync
         return ahead if ahead > 0 else self.settings.period
 
     def update_settings(self, changes: dict[str, Any]) -> None:
-        # Called at the same step on every worker. Turning overlap off applies the exchange in flight now,
-        # so the next sync blocks from the same invariant (global weights plus own progress). A new
-        # wire_dtype or outer optimizer applies from the next exchange or landing on.
+        # Called at the same step on every worker, at the control point (`settle` has waited for the
+        # exchange in flight). Turning overlap off applies that exchange now, so the next sync blocks from
+        # the same invariant (global weights plus own progress). A new wire_dtype or outer optimizer
+        # applies from the next exchange or landing on.
         super().update_settings(changes)
         if not self.settings.overlap and self.exchange is not None:
-            started = time.perf_counter()
             self._land()
-            self.landed_between_steps_s += time.perf_counter() - started
 
     # --- the two kinds of sync -----------------------------------------------------------------------
 

@@ -108,6 +108,13 @@ class Strategy:
         """Called after each optimizer step; returns metrics such as `comm_s` to merge into the record."""
         return {}
 
+    def settle(self, context: TrainingContext) -> float:
+        """Before the ranks exchange control messages on the process group: wait for whatever this
+        strategy has in flight on it (applying nothing), so those small messages do not queue behind it
+        on a slow link and whatever they agree on (a switch, a checkpoint) finds nothing left to wait for.
+        Returns the seconds waited: communication, which the step's record counts as such."""
+        return 0.0
+
     def finish(self, context: TrainingContext) -> None:
         """Called once after the last step (or before a switch): bring workers to common weights."""
 
