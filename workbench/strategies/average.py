@@ -155,7 +155,9 @@ class Average(Strategy):
         # this exchange anyway: waited for there instead, a switch agreed on lands it at once. On a link
         # where an exchange outlasts its period it is always in flight, and a switch waited for it whole
         # (1-1.2 s at 20 Mbit/s, after the agreement's messages had queued behind it for as long again).
-        if self.exchange is None:
+        # Only there: elsewhere in a period (periods over 32 agree in between) the wait would be new, and
+        # would take away the overlap; the control messages queue behind part of the exchange instead.
+        if self.exchange is None or self.steps_since_sync < self.settings.period - 1:
             return 0.0
         started = time.perf_counter()
         self.comm.wait(self.exchange.work)  # decoded at the sync, as without a control point before it
