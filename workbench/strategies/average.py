@@ -153,8 +153,8 @@ class Average(Strategy):
     def settle(self, context: TrainingContext) -> float:
         # The control point comes one step before a sync (`steps_to_control_point`), which would wait for
         # this exchange anyway: waited for there instead, a switch agreed on lands it at once. On a link
-        # where an exchange outlasts its period it is always in flight, and a switch waited for it whole
-        # (1-1.2 s at 20 Mbit/s, after the agreement's messages had queued behind it for as long again).
+        # where an exchange outlasts its period it is always in flight: a switch waited for the rest of it
+        # (1.06-1.16 s at 20 Mbit/s), after the agreement's messages had queued behind part of it.
         # Only there: elsewhere in a period (periods over 32 agree in between) the wait would be new, and
         # would take away the overlap; the control messages queue behind part of the exchange instead.
         if self.exchange is None or self.steps_since_sync < self.settings.period - 1:
