@@ -73,6 +73,13 @@ def rate_bytes_per_s(rate: str) -> float:
     return float(match.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)] / 8
 
 
+def burst_bytes(bytes_per_s: float) -> int:
+    """The depth of a shaped link's token bucket: 10 ms of traffic (at least 32 KiB, above one jumbo segment
+    of veth's offloads). What it lets through at once after an idle shortens every message by as much
+    (`simulate.predict`'s `link_burst`)."""
+    return max(32 * 1024, int(bytes_per_s / 100))
+
+
 class Lab:
     """N emulated hosts; host i has address `subnet.(10 + i)` on interface eth0 of namespace `hosts[i]`."""
 
@@ -156,10 +163,8 @@ class Lab:
         """Limit host `host`'s link (every host's when None) to `rate` ('100mbit', '1gbit'), both ways;
         None lifts the limit. Takes effect at once, also while a run trains."""
         if rate is not None:
-            bytes_per_s = rate_bytes_per_s(rate)
-            # A burst of 10 ms of traffic (at least 32 KiB, above one jumbo segment of veth's offloads);
-            # queued packets beyond 50 ms are dropped, as a real switch's buffer would.
-            burst = max(32 * 1024, int(bytes_per_s / 100))
+            # Queued packets beyond 50 ms are dropped, as a real switch's buffer would.
+            burst = burst_bytes(rate_bytes_per_s(rate))
         for index in self._indices(host):
             for namespace, device in ((self.hosts[index], "eth0"), (self.switch, f"{self.prefix}b{index}")):
                 if rate is None:

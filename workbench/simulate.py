@@ -261,18 +261,23 @@ class _Class:
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
             link_rate: float | None = None, straggler: float | None = None, cores: float | None = None,
-            host_cores: float = 2.0, elapsed_s: float | None = None, window_s: float = 0.0) -> Prediction:
+            host_cores: float = 2.0, elapsed_s: float | None = None, window_s: float = 0.0,
+            link_burst: float = 0.0) -> Prediction:
     """Predicted steady state of `strategy` with `settings` on `workers` workers (one per host) whose
     links run at `link_rate` bytes/s (None: unlimited). `straggler`: one host (the last) capped at that
     many cores. `cores`: all hosts share that many cores (the lab); None: each host has `host_cores`.
     `elapsed_s`: how long the run has trained (None: long enough for every steady state); SSP's gap
     grows at the difference of the workers' push rates and holds the faster ones only once it reaches
     the bound. `window_s`: the prediction is the mean over that many seconds centred on `elapsed_s` (what a
-    measurement over a window sees: SSP free before the bound binds, held after)."""
+    measurement over a window sees: SSP free before the bound binds, held after). `link_burst`: bytes a
+    token-bucket shaper lets through at once after its direction idled long enough to refill (a cloud
+    instance's burst credit, the lab's `tbf`: 10 ms of the rate); 0 for a link at line rate."""
     if strategy not in DEFAULTS:
         raise ValueError(f"strategy={strategy!r} is not allowed: expected one of {sorted(DEFAULTS)}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} is not allowed: expected an integer >= 1")
+    if not (isinstance(link_burst, (int, float)) and math.isfinite(link_burst) and link_burst >= 0):
+        raise ValueError(f"link_burst={link_burst!r} is not allowed: expected bytes >= 0 (0: none)")
     if not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s >= 0):
         raise ValueError(f"window_s={window_s!r} is not allowed: expected seconds >= 0 (0: an instant)")
     values = {**DEFAULTS[strategy], **(settings or {})}
@@ -284,7 +289,7 @@ def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any]
 
     def solved(binds: bool) -> _Model:
         model = _Model(calibration, strategy, values, workers, link, shards,
-                       _classes(workers, shards, straggler, host_cap))
+                       _classes(workers, shards, straggler, host_cap), 0.0 if math.isinf(link) else link_burst)
         model.bound_binds = binds
         _fit_speeds(model, cores)
         model.evaluate()
@@ -384,9 +389,9 @@ class _Model:
     """One strategy's cycle, exposure and CPU work per worker class, given each class's CPU speed."""
 
     def __init__(self, calibration: Calibration, strategy: str, values: dict[str, Any], workers: int,
-                 link: float, shards: int, classes: list[_Class]) -> None:
+                 link: float, shards: int, classes: list[_Class], burst: float = 0.0) -> None:
         self.c, self.strategy, self.values, self.n = calibration, strategy, values, workers
-        self.link, self.shards, self.classes = link, shards, classes
+        self.link, self.shards, self.classes, self.burst = link, shards, classes, burst
         self.staleness: float | None = None
         self.bound_binds = True  # SSP: whether the faster workers' clocks have reached the bound
         self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
@@ -417,23 +422,12 @@ class _Model:
         slowest = min(group.speed for group in self.classes)
         compute = c.compute_s / slowest
         loop = c.step_overhead_s / slowest
-        if self.strategy == "allreduce":
-            steps = 1
-            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
-            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
-            exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
-                                      values["bucket_mb"] * MIB)
-            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
-            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
-            idle = c.compute_s * c.compute_spread * expected_max(n)
-            path = compute + loop
-        else:
-            steps = values["period"]
-            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
-            # Over a period the steps' spread averages out as 1/sqrt(period).
-            idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
-            path = steps * (compute + loop)
-            exposed = max(0.0, transfer - path) if values["overlap"] else transfer
+        # No shaper's burst here, though one passes: gloo's all-reduce of 7.45 MB between two lab hosts at
+        # 1 Gbit/s took 61 ms right after the previous one, 53 ms after 30 ms idle. In a DDP loop the gain
+        # is smaller than the bucket allows (a 4 MB bucket instead of 1.25 MB: 10.5 ms less a step of the
+        # 23 ms its bytes would save), and the lab's synchronous points at 1 Gbit/s fit within 1-9%
+        # without it, 12-19% above with it (2026-11-24 and -25 grids). Why the loop gains less is open.
+        steps, transfer, exposed, idle, path = self._exchange(payload, slowest, compute, loop)
         cycle = path + exposed + idle
         copies = payload / c.host_rate
         step_work = c.compute_s + c.step_overhead_s
@@ -450,6 +444,28 @@ class _Model:
             group.work = steps * step_work + copies
             group.runnable = steps * step_work / group.speed + exposed * copying
 
+    def _exchange(self, payload: float, slowest: float, compute: float,
+                  loop: float) -> tuple[int, float, float, float, float]:
+        """Steps per cycle, the exchange's transfer, what of it the cycle waits for, the wait for the
+        slowest worker, and the steps' own time."""
+        c, n, values = self.c, self.n, self.values
+        if self.strategy == "allreduce":
+            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
+            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
+            exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
+                                      values["bucket_mb"] * MIB)
+            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
+            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
+            idle = c.compute_s * c.compute_spread * expected_max(n)
+            return 1, transfer, exposed, idle, compute + loop
+        steps = values["period"]
+        transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
+        # Over a period the steps' spread averages out as 1/sqrt(period).
+        idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
+        path = steps * (compute + loop)
+        exposed = max(0.0, transfer - path) if values["overlap"] else transfer
+        return steps, transfer, exposed, idle, path
+
     # --- the parameter server: async, ssp, easgd -------------------------------------------------------
 
     def _server(self) -> None:
@@ -463,9 +479,12 @@ class _Model:
         shards = max(1, self.shards)
         service = (push + reply) / (2 * c.host_rate) / shards + c.server_apply_s / shards
         holder = next((g for g in self.classes if g.holds_shard), self.classes[0])
+        # A worker's own link carries its push one way and the reply the other, one after the other: each
+        # direction idles while the other works, long enough to refill a shaper's bucket for every message.
+        own = _beyond(push, self.burst) + _beyond(reply, self.burst)
         for group in self.classes:
             remote = 1 - (1 / shards if group.holds_shard else 0.0)
-            wire = (push + reply) * remote / self.link
+            wire = own * remote / self.link
             copies = (push + reply) / (2 * c.host_rate * group.speed)
             round_trip = max(wire, copies) + service / holder.speed + 2 * c.latency_s
             compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
@@ -474,7 +493,8 @@ class _Model:
             group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
-        crossing = (n - 1) * _duplex(push, reply, n - 1) / shards / self.link
+        flows = max(1, (n - 1) // shards)
+        crossing = (n - 1) * _duplex(*_shared_burst(push, reply, self.burst, flows), flows) / shards / self.link
         for group in self.classes:
             if not group.holds_shard or shards > 1:
                 group.cycle = max(group.cycle, crossing)
@@ -534,6 +554,25 @@ def _duplex(push: float, reply: float, flows: int) -> float:
     0.6 of the rate each way (this: 0.63); one stream each way moved 0.95 (the link is full duplex).
     Against the lab's async non-shard workers: 0.44/0.54/0.62 each way at 2/3/4 workers, 100 Mbit/s."""
     return max(push, reply) + min(push, reply) / math.sqrt(max(1, flows))
+
+
+def _beyond(message: float, burst: float) -> float:
+    """Bytes of a message that wait for a shaper's rate: the first `burst` pass at once."""
+    return max(0.0, message - burst)
+
+
+def _shared_burst(push: float, reply: float, burst: float, flows: int) -> tuple[float, float]:
+    """Push and reply bytes that wait for the rate on a shaped link shared by `flows` request/reply flows.
+    The bucket refills only while its direction idles: per message, about the other direction's hidden
+    share (`_duplex`), smaller/sqrt(flows) bytes' worth; each message gets the burst or that refill, the less.
+    Measured with plain sockets on the lab (1 Gbit/s, its 1.25 MB burst, 7.45 MB each way, 15 ms serial
+    service): one flow's round trip took 0.12 s, two messages' bytes beyond the burst at the rate plus the
+    service; with a 64 KiB bucket 0.14 s."""
+    if burst <= 0:
+        return push, reply
+    refill = min(push, reply) / (math.sqrt(flows) + 1)  # the fixed point of refill = (smaller - refill)/sqrt(flows)
+    given = min(burst, refill) if flows > 1 else burst
+    return _beyond(push, given), _beyond(reply, given)
 
 
 def _compressed(kind: str, topk_ratio: float) -> float:
