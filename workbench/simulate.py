@@ -493,8 +493,9 @@ class _Model:
             group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
-        flows = max(1, (n - 1) // shards)
-        crossing = (n - 1) * _duplex(*_shared_burst(push, reply, self.burst, flows), flows) / shards / self.link
+        # Every other worker sends each shard its share of every push: n - 1 flows on each shard's link.
+        flows = max(1, n - 1)
+        crossing = (n - 1) * _duplex(*_shared_burst(push / shards, reply / shards, self.burst, flows), flows) / self.link
         for group in self.classes:
             if not group.holds_shard or shards > 1:
                 group.cycle = max(group.cycle, crossing)
