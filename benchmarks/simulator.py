@@ -11,8 +11,8 @@ records covering the window); mean staleness is taken over the window's pushes. 
 `--repeats` times, interleaved (every other repetition backwards); points are medians.
 
 The simulator is calibrated from ONE run measured the same way (by default allreduce, 2 worker hosts,
-unlimited link; `--calibrate-with`): such a run is measured in every repetition, and the one of median
-throughput is used and sees nothing of the grid's results (only how
+unlimited link; `--calibrate-with`): such a run is measured in every repetition and the one of median
+throughput used. The simulator sees nothing of the grid's results (only how
 long each cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
 `benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
 so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
@@ -239,6 +239,7 @@ def _plain_records(frame: Any) -> list[dict[str, Any]]:
 def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, Any]:
     """Calibrate from the document's calibration records, predict every measured point, and the errors."""
     from workbench import simulate
+    from workbench.lab import burst_bytes
 
     run = calibration_run(document, calibrate_with)
     calibration = simulate.calibrate(run["records"], model_bytes=MODEL_BYTES, link_rate=None, workers=2,
@@ -255,7 +256,7 @@ def predict_points(document: dict[str, Any], calibrate_with: str) -> dict[str, A
         predicted = simulate.predict(calibration, point["strategy"], point["settings"], point["workers"], link,
                                      straggler=straggler, cores=document["machine"]["cores"],
                                      elapsed_s=point.get("window_middle_s"), window_s=point.get("window_s", 0.0),
-                                     link_burst=0.0 if link is None else _burst(condition))
+                                     link_burst=0.0 if link is None else burst_bytes(link))
         row = {"config": point["config"], "strategy": point["strategy"], "condition": condition,
                "workers": point["workers"], "measured_samples_per_s": point["samples_per_s"],
                "predicted_samples_per_s": predicted.samples_per_s,
@@ -291,12 +292,6 @@ def _rate(condition: str) -> float:
     from workbench.lab import rate_bytes_per_s
 
     return rate_bytes_per_s(condition)
-
-
-def _burst(condition: str) -> float:
-    from workbench.lab import burst_bytes
-
-    return burst_bytes(_rate(condition))
 
 
 def _where(row: dict[str, Any] | None) -> str | None:

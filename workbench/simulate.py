@@ -427,7 +427,23 @@ class _Model:
         # is smaller than the bucket allows (a 4 MB bucket instead of 1.25 MB: 10.5 ms less a step of the
         # 23 ms its bytes would save), and the lab's synchronous points at 1 Gbit/s fit within 1-9%
         # without it, 12-19% above with it (2026-11-24 and -25 grids). Why the loop gains less is open.
-        steps, transfer, exposed, idle, path = self._exchange(payload, slowest, compute, loop)
+        if self.strategy == "allreduce":
+            steps = 1
+            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
+            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
+            exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
+                                      values["bucket_mb"] * MIB)
+            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
+            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
+            idle = c.compute_s * c.compute_spread * expected_max(n)
+            path = compute + loop
+        else:
+            steps = values["period"]
+            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
+            # Over a period the steps' spread averages out as 1/sqrt(period).
+            idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
+            path = steps * (compute + loop)
+            exposed = max(0.0, transfer - path) if values["overlap"] else transfer
         cycle = path + exposed + idle
         copies = payload / c.host_rate
         step_work = c.compute_s + c.step_overhead_s
@@ -443,28 +459,6 @@ class _Model:
             group.exposed = cycle - steps * step_work / group.speed
             group.work = steps * step_work + copies
             group.runnable = steps * step_work / group.speed + exposed * copying
-
-    def _exchange(self, payload: float, slowest: float, compute: float,
-                  loop: float) -> tuple[int, float, float, float, float]:
-        """Steps per cycle, the exchange's transfer, what of it the cycle waits for, the wait for the
-        slowest worker, and the steps' own time."""
-        c, n, values = self.c, self.n, self.values
-        if self.strategy == "allreduce":
-            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
-            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
-            exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
-                                      values["bucket_mb"] * MIB)
-            # Every step waits for the slowest of n draws of its compute time. The spread is taken as
-            # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
-            idle = c.compute_s * c.compute_spread * expected_max(n)
-            return 1, transfer, exposed, idle, compute + loop
-        steps = values["period"]
-        transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
-        # Over a period the steps' spread averages out as 1/sqrt(period).
-        idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
-        path = steps * (compute + loop)
-        exposed = max(0.0, transfer - path) if values["overlap"] else transfer
-        return steps, transfer, exposed, idle, path
 
     # --- the parameter server: async, ssp, easgd -------------------------------------------------------
 
@@ -572,6 +566,7 @@ def _shared_burst(push: float, reply: float, burst: float, flows: int) -> tuple[
     if burst <= 0:
         return push, reply
     refill = min(push, reply) / (math.sqrt(flows) + 1)  # the fixed point of refill = (smaller - refill)/sqrt(flows)
+    # One flow: its direction idles through the whole of the other message (nothing of it is hidden).
     given = min(burst, refill) if flows > 1 else burst
     return _beyond(push, given), _beyond(reply, given)
 
