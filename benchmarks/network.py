@@ -452,7 +452,7 @@ class Cells:
 
         A strategy that exchanges every `cycle` steps trains in bursts between exchanges; on a slow link
         one burst and wait can outlast the window. So the warm-up lasts at least one cycle (the first
-        exchange under the condition is behind it), and the window at least two cycles of every worker
+        exchange under the condition is behind it), and the window at least --min-cycles of every worker
         (a rate taken over a fraction of a cycle says more about where it fell than about the strategy),
         up to --max-window-s."""
         a = self.arguments
@@ -480,7 +480,7 @@ class Cells:
                 return {"error": f"the run ended inside the window ({run.status}): {run.error}"}
             elapsed = time.time() - started
             latest = run.table.last_steps()
-            cycles_done = all(latest[w]["step"] - at_start[w] >= 2 * cycle for w in at_start)
+            cycles_done = all(latest[w]["step"] - at_start[w] >= a.min_cycles * cycle for w in at_start)
             if elapsed >= a.max_window_s or (elapsed >= a.window_s and cycles_done):
                 return {"window": (started, time.time())}
             time.sleep(0.05)
@@ -649,6 +649,20 @@ def window_steps(frame: Any, started: float, ended: float, cycle: int = 1) -> tu
         # The samples of the steps after the first over the span: metrics.throughput's own rule.
         rates[int(worker)] = next(iter(throughput(span.to_dict("records"))["per_worker"].values()), 0.0)
     return rates, (pd.concat(counted_rows) if counted_rows else frame.iloc[:0])
+
+
+def window_staleness(frame: Any, started: float, inside: Any) -> float | None:
+    """Mean staleness of the pushes answered in the window, every worker's over one interval: from
+    `started` to the last of the workers' spans (`inside`, from `window_steps`). Each worker's own span
+    would weigh pushes unevenly: behind a slow link a worker pushes rarely, each push missing many
+    versions, and its whole-cycle span runs seconds past the fast workers'; their pushes in those seconds
+    would be left out (and over one interval that tiles every worker's pushes, the push-weighted mean of
+    `async` is the workers less one, whatever their rates)."""
+    if "staleness" not in frame or not len(inside):
+        return None
+    rows = frame[(frame["time"] > started) & (frame["time"] <= inside["time"].max())]
+    values = rows["staleness"].dropna()
+    return float(values.mean()) if len(values) else None
 
 
 # --- conditions, repetitions, the table -----------------------------------------------------------------------
@@ -852,6 +866,8 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the grid (interleaved)")
     parser.add_argument("--window-s", type=float, default=8.0, help="steady seconds measured per cell")
+    parser.add_argument("--min-cycles", type=int, default=2, help="the window spans at least this many exchange "
+                        "cycles of every worker")
     parser.add_argument("--max-window-s", type=float, default=40.0,
                         help="a window lasts at least two exchange cycles of every worker, at most this long")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="warm-up ends after this long ...")

@@ -6,8 +6,9 @@ Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds th
 client, every other host one `dask worker`; all hosts share the machine's cores. The job is the network
 benchmark's (MLP 784-1024-1024-10, synthetic data, batch 128 per worker, SGD lr 0.01). Each cell is a
 time-boxed run measured as `benchmarks/network.py` does (`Cells.workbench`: warm-up under the condition,
-then a window of `--window-s` seconds or two exchange cycles of every worker; throughput from the step
-records covering the window); mean staleness is taken over the window's pushes. The grid runs
+then a window of at least `--window-s` seconds and `--min-cycles` exchange cycles of every worker;
+throughput from the step records covering the window); mean staleness is taken over every worker's
+pushes answered in one interval covering the window (`network.window_staleness`). The grid runs
 `--repeats` times, interleaved (every other repetition backwards); points are medians.
 
 The simulator is calibrated from ONE run measured the same way (by default allreduce, 2 worker hosts,
@@ -75,7 +76,7 @@ class _Kept:
 
     def __call__(self, frame: Any, started: float, ended: float, cycle: int = 1) -> Any:
         rates, inside = self.original(frame, started, ended, cycle)
-        self.inside = inside
+        self.frame, self.started, self.inside = frame, started, inside
         return rates, inside
 
 
@@ -91,10 +92,9 @@ def measure_cell(bench: Any, kept: _Kept, strategy: str, settings: dict[str, Any
     if "error" in record:
         return record
     inside = kept.inside
-    if "staleness" in inside:
-        values = inside["staleness"].dropna()
-        if len(values):
-            record["staleness_mean"] = float(values.mean())
+    staleness = network.window_staleness(kept.frame, kept.started, inside)
+    if staleness is not None:
+        record["staleness_mean"] = staleness
     record["records"] = len(inside)
     return record
 
@@ -149,7 +149,8 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
             "settings": {"hosts": hosts, "conditions": conditions, "repeats": arguments.repeats,
                          "window_s": arguments.window_s,
                          "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
-                         "max_window_s": arguments.max_window_s, "straggler": f"the last worker host at "
+                         "max_window_s": arguments.max_window_s, "min_cycles": arguments.min_cycles,
+                         "straggler": f"the last worker host at "
                          f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
                          "model": "MLP 784-1024-1024-10", "quick": arguments.quick,
                          "calibration_runs": "2 worker hosts, unlimited link, once per repetition"},
@@ -348,6 +349,10 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--no-straggler", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="repetitions of the grid (interleaved; medians)")
     parser.add_argument("--window-s", type=float, default=3.0, help="steady seconds measured per cell")
+    # Four cycles, not the network benchmark's two: a parameter-server worker behind a 100 Mbit/s link
+    # pushes every 1-3 s, and over two of its cycles `ssp`'s three repetitions read 761-1,234 samples/s.
+    parser.add_argument("--min-cycles", type=int, default=4, help="the window spans at least this many "
+                        "exchange cycles of every worker")
     parser.add_argument("--max-window-s", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=1.5)
     parser.add_argument("--warmup-steps", type=int, default=6)

@@ -41,3 +41,28 @@ def test_the_records_counted_are_the_span_after_its_first_step():
     rates, inside = network.window_steps(frame, 101.0, 102.5, CYCLE)
     assert len(inside) % CYCLE == 0  # whole cycles
     assert rates[0] == pytest.approx(len(inside) * 128 / (inside["time"].max() - frame[frame["time"] <= 101.0]["time"].max()))
+
+
+def test_staleness_is_every_workers_pushes_over_one_interval():
+    # A worker beside the server pushes every 0.1 s, each missing nothing but the far worker's pushes; the
+    # far worker, behind a slow link, pushes every 1 s and misses the 10 pushes made since its last one.
+    # Over an interval that tiles both, the push-weighted mean is 1 (the workers less one).
+    network = load_benchmark("network")
+    rows, far_pushes = [], [100.0 + k for k in range(1, 12)]
+    for k in range(1, 111):
+        now = 100.0 + k * 0.1 + 0.05
+        missed = sum(1 for t in far_pushes if now - 0.1 < t <= now)
+        rows.append({"worker": 0, "step": k, "time": now, "samples": 128, "staleness": missed})
+    for k, now in enumerate(far_pushes, 1):
+        rows.append({"worker": 1, "step": k, "time": now, "samples": 128, "staleness": 10})
+    frame = pd.DataFrame(rows)
+    started = 101.0
+    rates, inside = network.window_steps(frame, started, 104.1, 1)
+    # The far worker's whole-cycle span ends at 105.0, the near one's at 104.15.
+    assert inside[inside["worker"] == 1]["time"].max() == 105.0 and inside[inside["worker"] == 0]["time"].max() < 104.2
+    # Over (101, 105]: the near worker's 40 pushes, 4 of them missing one far push; the far worker's 4, 10 each.
+    assert network.window_staleness(frame, started, inside) == pytest.approx((4 * 1 + 4 * 10) / (40 + 4))
+    # Each worker over its own span leaves out the near worker's last 8 pushes: 44 / 36, too high.
+    assert inside["staleness"].mean() == pytest.approx((4 * 1 + 4 * 10) / (32 + 4))
+    # No pushes, no staleness.
+    assert network.window_staleness(frame.drop(columns="staleness"), started, inside) is None

@@ -246,6 +246,33 @@ def test_calibration_from_averaging_reads_compute_between_syncs_and_the_exchange
     assert calibrate(slow, MODEL_BYTES, link_rate=12.5e6, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.015)
 
 
+def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_local_work():
+    # Records since 2026-11-25 time the all-reduce alone (`exchange_s`); the rest of the sync is its own
+    # copies, on the worker's core, and the rate is the all-reduce's.
+    records = []
+    for worker in range(2):
+        for step in range(64):
+            sync = step % 4 == 3
+            extra = {"bytes_sent": MODEL_BYTES, "exchange_s": 0.012} if sync else {}
+            records.append({"worker": worker, "step": step, "compute_s": 0.02, "samples": 128, "strategy": "average",
+                            "comm_s": 0.016 if sync else 0.0, **extra})
+    got = calibrate(records, MODEL_BYTES, workers=2)
+    assert got.host_rate == pytest.approx(MODEL_BYTES / 0.012)
+    assert got.sync_local_s == pytest.approx(0.004)
+    # The calibration predicts the run it came from: 4 steps of compute, the local work, the all-reduce.
+    again = predict(got, "average", {"period": 4}, 2, None)
+    assert again.samples_per_s == pytest.approx(2 * 4 * 128 / (4 * 0.02 + 0.016), rel=1e-6)
+    # The local work is the sync's, not the wire's: `allreduce` does not pay it, a slower link does not
+    # change it, and overlap cannot hide it.
+    assert predict(got, "allreduce", {}, 2, None) == predict(dataclasses.replace(got, sync_local_s=0.0), "allreduce", {}, 2, None)
+    overlapped = predict(got, "average", {"period": 4, "overlap": True}, 2, None)
+    assert overlapped.samples_per_s == pytest.approx(2 * 4 * 128 / (4 * 0.02 + 0.004), rel=1e-6)
+    # Older records without `exchange_s` (or with it on some syncs only) keep the whole sync as the exchange.
+    untimed = [{k: v for k, v in r.items() if k != "exchange_s"} for r in records]
+    assert calibrate(untimed, MODEL_BYTES, workers=2).sync_local_s == 0.0
+    assert calibrate(untimed, MODEL_BYTES, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.016)
+
+
 def test_bad_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match="strategy='ring'"):
         predict(calibration(), "ring", {}, 2)

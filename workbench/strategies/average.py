@@ -217,7 +217,11 @@ class Average(Strategy):
         local = flatten(self.parameters)
         dtype = WIRE_DTYPES[self.settings.wire_dtype]
         summed = encode_weights(local, self.global_weights, dtype, self.world_size)
+        launched = time.perf_counter()
         self.comm.wait(self.comm.start_all_reduce(summed))
+        # The all-reduce alone, apart from the sync's own copies around it (flatten, encode, the
+        # divergence, copying back): what a capacity model needs to tell the wire from the local work.
+        exchange_s = time.perf_counter() - launched
         average = decode_average(summed, self.global_weights, self.world_size)
         divergence = relative_divergence(local, average)
         self.global_weights, self.outer_buffer = self._outer_step(average)
@@ -232,7 +236,8 @@ class Average(Strategy):
                 unflatten_into(vector, state)
                 sent += vector.numel() * vector.element_size()
         self.steps_since_sync = 0
-        return {"divergence": divergence, "bytes_sent": all_reduce_bytes_sent(sent, self.world_size)}
+        return {"divergence": divergence, "bytes_sent": all_reduce_bytes_sent(sent, self.world_size),
+                "exchange_s": exchange_s}
 
     def _overlapped_sync(self) -> dict[str, Any]:
         """Apply the exchange started one period ago (waiting only if it is still running), start the next."""
