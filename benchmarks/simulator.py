@@ -11,10 +11,14 @@ throughput from the step records covering the window); mean staleness is taken o
 pushes answered in one interval covering the window (`network.window_staleness`). The grid runs
 `--repeats` times, interleaved (every other repetition backwards); points are medians.
 
-The simulator is calibrated from ONE run measured the same way (by default allreduce, 2 worker hosts,
-unlimited link; `--calibrate-with`): such a run is measured in every repetition and the one of median
-throughput used. The simulator sees nothing of the grid's results (only how
-long each cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
+The simulator is calibrated from ONE run measured the same way (by default `average` p4, 2 worker hosts,
+unlimited link; `--calibrate-with`): its steps between syncs time the compute alone, its syncs the
+all-reduce alone (`exchange_s`) and the sync's own copies. From `allreduce` the compute has to be told
+apart from the copies that share backward's core, a modelled split (`simulate.calibrate`): on the
+2026-11-25 grid it put one step's compute at 17.2 ms where the grid's `average` steps between syncs took
+18.1-19.4, and the median prediction came out 7.5% high. Such a run is measured in every repetition and
+the one of median throughput used. The simulator sees nothing of the grid's results (only how long each
+cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
 `benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
 so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
 the document then says `predicted_again`).
@@ -57,8 +61,8 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
 # Short runs measured before the grid, on 2 worker hosts at the unlimited link; the simulator is
 # calibrated from one of them (the first unless --calibrate-with).
 CALIBRATION_RUNS: list[tuple[str, str, dict[str, Any]]] = [
-    ("allreduce", "allreduce", {}),
     ("average p4", "average", {"period": 4}),
+    ("allreduce", "allreduce", {}),
 ]
 QUICK = {"hosts": "2", "rates": "unlimited,100mbit", "configs": ("allreduce", "async p4")}
 

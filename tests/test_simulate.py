@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 
+import pandas as pd
 import pytest
 
 from workbench import simulate
@@ -267,6 +268,9 @@ def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_
     assert predict(got, "allreduce", {}, 2, None) == predict(dataclasses.replace(got, sync_local_s=0.0), "allreduce", {}, 2, None)
     overlapped = predict(got, "average", {"period": 4, "overlap": True}, 2, None)
     assert overlapped.samples_per_s == pytest.approx(2 * 4 * 128 / (4 * 0.02 + 0.004), rel=1e-6)
+    # The same from a DataFrame's records, where a step between syncs has NaN for what it lacks.
+    frame = pd.DataFrame(records).to_dict("records")
+    assert math.isnan(frame[0]["bytes_sent"]) and calibrate(frame, MODEL_BYTES, workers=2) == got
     # Older records without `exchange_s` (or with it on some syncs only) keep the whole sync as the exchange.
     untimed = [{k: v for k, v in r.items() if k != "exchange_s"} for r in records]
     assert calibrate(untimed, MODEL_BYTES, workers=2).sync_local_s == 0.0

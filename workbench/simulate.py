@@ -114,6 +114,9 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
     read from the float32 exchanges' `bytes_sent`, what a ring all-reduce sends per worker), its
     link rate in bytes/s (None: unlimited), its worker count (default: the ranks in the records) and the
     cores those workers shared (None: a host each). `known` sets other fields (latency_s, ...)."""
+    # A DataFrame's records (`run.metrics.to_dict("records")`) carry NaN for the fields a step lacks (an
+    # `average` step between syncs has no bytes_sent): NaN is truthy, so it would count every step a sync.
+    records = [{k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))} for r in records]
     records = [r for r in records if r.get("compute_s") is not None]
     if not records:
         raise ValueError("records holds no step records (with compute_s): pass a run's step records")
