@@ -869,7 +869,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--min-cycles", type=int, default=2, help="the window spans at least this many exchange "
                         "cycles of every worker")
     parser.add_argument("--max-window-s", type=float, default=40.0,
-                        help="a window lasts at least two exchange cycles of every worker, at most this long")
+                        help="a window lasts at least --min-cycles exchange cycles of every worker, at most this long")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="warm-up ends after this long ...")
     parser.add_argument("--warmup-steps", type=int, default=10, help="... or when every worker did this many steps")
     parser.add_argument("--rates", default=",".join(RATES),

@@ -143,8 +143,8 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         measured_compute = statistics.fmean(r["compute_s"] for r in local or records)
         sync_s = statistics.fmean(r["comm_s"] for r in syncs) if syncs else 0.0
         # The all-reduce alone where the records time it (runs before 2026-11-25 do not): the sync's
-        # copies around it are `sync_local_s`, not the exchange's rate (with them, 430-525 MB/s on the lab
-        # against 570-610 from `allreduce`'s bucketed all-reduce, whose predictions then fell 13-27% low).
+        # copies around it are `sync_local_s`, not the exchange's rate (with them, 430-525 MB/s on the lab's
+        # 2026-11-25 grid against 567-613 from its `allreduce` runs, whose predictions then fell 13-27% low).
         timed = [r["exchange_s"] for r in syncs if _number(r.get("exchange_s"))]
         exchange = statistics.fmean(timed) if timed and len(timed) == len(syncs) else sync_s
         sync_local = max(0.0, sync_s - exchange)
@@ -456,18 +456,19 @@ class _Model:
             # measured (in seconds, as the calibration run had it), not stretched by a lower CPU speed.
             idle = c.compute_s * c.compute_spread * expected_max(n)
             path = compute + loop
+            local = 0.0
         else:
             steps = values["period"]
             transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
             # Over a period the steps' spread averages out as 1/sqrt(period).
             idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
             # The sync's own copies run on the worker's thread whether the all-reduce overlaps or not.
-            path = steps * (compute + loop) + (c.sync_local_s / slowest if payload else 0.0)
+            local = c.sync_local_s if payload else 0.0
+            path = steps * (compute + loop) + local / slowest
             exposed = max(0.0, transfer - path) if values["overlap"] else transfer
         cycle = path + exposed + idle
         copies = payload / c.host_rate
         step_work = c.compute_s + c.step_overhead_s
-        local = c.sync_local_s if self.strategy == "average" and payload else 0.0
         # Lockstep: the exchange releases every worker at once, so all of them compute at the same time
         # and then all wait on the wire together. A process wants the CPU while it computes and copies,
         # not spread over the whole cycle: a slow link leaves the cores idle during the exchange but does
