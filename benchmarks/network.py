@@ -403,13 +403,9 @@ class Cells:
 
     def workbench(self, strategy: str, settings: dict[str, Any]) -> dict[str, Any]:
         import workbench
-        from workbench.data import synthetic
         from workbench.metrics import communication_summary, time_split
 
-        a = self.arguments
-        # The training split only: no held-out evaluations on worker 0 inside the window.
-        data = synthetic(n_samples=N_SAMPLES, n_features=784).train
-        job = workbench.Job(model=workbench.mlp(784, 10, HIDDEN), data=data, batch_size=BATCH, steps=10**7, lr=LR)
+        job = lab_job()
         self.ensure_workers()
         began = time.time()
         # Started on the full link (the first weights cross it at start-up: seconds at 20 Mbit/s that
@@ -649,6 +645,16 @@ def window_steps(frame: Any, started: float, ended: float, cycle: int = 1) -> tu
         # The samples of the steps after the first over the span: metrics.throughput's own rule.
         rates[int(worker)] = next(iter(throughput(span.to_dict("records"))["per_worker"].values()), 0.0)
     return rates, (pd.concat(counted_rows) if counted_rows else frame.iloc[:0])
+
+
+def lab_job() -> Any:
+    """The job every lab cell trains: MLP 784-1024-1024-10 on synthetic data, batch 128, plain SGD, no end.
+    The training split only: no held-out evaluations on worker 0 inside a window."""
+    import workbench
+    from workbench.data import synthetic
+
+    data = synthetic(n_samples=N_SAMPLES, n_features=784).train
+    return workbench.Job(model=workbench.mlp(784, 10, HIDDEN), data=data, batch_size=BATCH, steps=10**7, lr=LR)
 
 
 def window_staleness(frame: Any, started: float, inside: Any) -> float | None:

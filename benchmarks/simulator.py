@@ -127,6 +127,8 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                 # Every host's condition is set by this script's set_condition, not network.py's (which
                 # knows two worker hosts only): the Cells call network.set_condition, so point it here.
                 network.set_condition = set_condition
+                if size == hosts[0]:
+                    warm_up(bench, lab, arguments.warmup_lab_s)
                 for repeat in range(arguments.repeats):
                     if size == 2:
                         measure_calibration_runs(bench, kept, lab, calibration_runs, repeat)
@@ -154,12 +156,34 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                          "window_s": arguments.window_s,
                          "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
                          "max_window_s": arguments.max_window_s, "min_cycles": arguments.min_cycles,
+                         "warmup_lab_s": arguments.warmup_lab_s,
                          "straggler": f"the last worker host at "
                          f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
                          "model": "MLP 784-1024-1024-10", "quick": arguments.quick,
                          "calibration_runs": "2 worker hosts, unlimited link, once per repetition"},
             "measured_minutes": round((time.time() - started) / 60, 1),
             "calibration_runs": calibration_runs, "cells": cells}
+
+
+def warm_up(bench: Any, lab: Any, seconds: float) -> None:
+    """Train for `seconds`, measuring nothing, before the grid's first cell. The first minutes on a machine
+    idle before measured slow: on the second grid of 2026-11-25 most of the first repetition's 2-worker
+    cells ran 9-34% below the later two (`average` p16, unlimited: 8,691 against 10,182 and 13,231; the
+    `average` p4 calibration run 7,341 against 9,875 and 10,484), on the first grid up to 17% (`ssp`)."""
+    if seconds <= 0:
+        return
+    import workbench
+
+    set_condition(lab, "unlimited")
+    bench.ensure_workers()
+    run = workbench.train(network.lab_job(), "allreduce", client=bench.client, run_dir=bench.scratch / "runs",
+                          checkpoint_every_s=None)
+    try:
+        run.wait_for_step(0, timeout=bench.arguments.start_timeout_s)
+        time.sleep(seconds)  # a span of training, not a synchronisation: nothing waits on what it reaches
+    finally:
+        bench._finish(run)
+    print(f"warmed up: {seconds:g} s of allreduce, not measured", flush=True)
 
 
 def measure_calibration_runs(bench: Any, kept: _Kept, lab: Any, runs: dict[str, list[dict[str, Any]]],
@@ -358,6 +382,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--min-cycles", type=int, default=4, help="the window spans at least this many "
                         "exchange cycles of every worker")
     parser.add_argument("--max-window-s", type=float, default=20.0)
+    parser.add_argument("--warmup-lab-s", type=float, default=60.0, help="seconds of unmeasured training "
+                        "before the grid's first cell (0: none)")
     parser.add_argument("--warmup-s", type=float, default=1.5)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
