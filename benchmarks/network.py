@@ -12,11 +12,12 @@ host 1 for reference.
 Every cell is time-boxed, not a fixed number of steps: the run starts on the full link, the condition's
 rate is set once every worker has stepped, then a warm-up (at least one exchange cycle of every worker,
 and `--warmup-steps` steps or `--warmup-s` seconds), then a window of `--window-s` seconds (longer
-where needed to hold two exchange cycles of every worker, at most `--max-window-s`), then `run.stop()`.
+where needed to hold `--min-cycles` exchange cycles of every worker, at most `--max-window-s`), then `run.stop()`.
 Throughput counts step records only (`window_steps`): per worker, the samples of the whole exchange
 cycles that cover the window over their span, from its last step ending before the window to the first
-ending after it a whole number of cycles later; the total is the sum over workers and the slowest worker is reported beside it (with one
-parameter-server shard the worker beside it runs nearly alone while the one across the link starves).
+ending after it a whole number of cycles later; the total is the sum over workers and the slowest
+worker is reported beside it (with one parameter-server shard the worker beside it runs nearly alone
+while the one across the link starves).
 Once measured, a cell lifts the link limit before `run.stop()`, so the end of the run (final exchange,
 weights and checkpoint) does not cost minutes at 20 Mbit/s. Repetitions interleave
 (conditions and configurations in reverse order on every other repetition); tables show medians.

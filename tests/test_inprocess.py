@@ -80,6 +80,12 @@ def test_averaging_every_step_without_momentum_is_the_same_sgd():
     drifted = train_in_process(the_job, "average", WORLD, period=5)
     assert any(r.get("divergence", 0) > 0 for r in drifted.steps())
     assert len({tuple(result["weights"]) for result in drifted.results}) == 1
+    # Each blocking sync times its all-reduce apart from its own copies (`exchange_s`, read by the
+    # simulator's calibration): inside the sync's communication time, and only at syncs.
+    syncs = [r for r in drifted.steps() if r.get("bytes_sent")]
+    assert len(syncs) == WORLD * (drifted.total_steps // 5)
+    assert all(0 < r["exchange_s"] <= r["comm_s"] for r in syncs), syncs
+    assert not any("exchange_s" in r for r in drifted.steps() if not r.get("bytes_sent"))
 
 
 VARIANTS = [(name, {}) for name in sorted(STRATEGIES)] + [

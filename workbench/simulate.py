@@ -145,7 +145,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         # The all-reduce alone where the records time it (runs before 2026-11-25 do not): the sync's
         # copies around it are `sync_local_s`, not the exchange's rate (with them, 430-525 MB/s on the lab's
         # 2026-11-25 grid against 567-613 from its `allreduce` runs, whose predictions then fell 13-27% low).
-        timed = [r["exchange_s"] for r in syncs if _number(r.get("exchange_s"))]
+        timed = [r["exchange_s"] for r in syncs if r.get("exchange_s") is not None]
         exchange = statistics.fmean(timed) if timed and len(timed) == len(syncs) else sync_s
         sync_local = max(0.0, sync_s - exchange)
         speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
@@ -178,10 +178,6 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
               "sync_local_s": sync_local * speed,
               "calibrated_from": f"{strategy}, {n} workers, {len(records)} step records"}
     return Calibration(**{**fields, **known})
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _loop_overhead(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
