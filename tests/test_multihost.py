@@ -192,6 +192,18 @@ def _transfer_seconds(lab, megabytes):
     return float(sender.stdout.strip())
 
 
+def _scheduler_link_user_timeout_ms(dask_worker):
+    import socket
+
+    # TCP_USER_TIMEOUT (18): what the kernel ends the worker's scheduler connection after.
+    return dask_worker.batched_stream.comm.stream.socket.getsockopt(socket.SOL_TCP, 18)
+
+
+def test_the_labs_workers_scheduler_links_get_the_longer_tcp_timeout(all_workers):
+    # Dask's 30 s default let a 6.18 kernel end healthy connections on a dropping shaped link (lab.py).
+    assert set(all_workers.run(_scheduler_link_user_timeout_ms).values()) == {3_600_000}
+
+
 def test_link_rates_and_cpu_shares_are_what_the_lab_says(lab):
     try:
         lab.set_rate("100mbit")

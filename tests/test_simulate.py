@@ -277,6 +277,38 @@ def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_
     assert calibrate(untimed, MODEL_BYTES, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.016)
 
 
+def test_the_exchange_cpu_time_is_what_a_capped_host_stretches():
+    # Records with the process's CPU time (`cpu_s`): a local step costs 20 ms of CPU, a sync 20 + 4 (its
+    # copies) + 5: the all-reduce's 12 ms held 7 ms of waiting for the peer.
+    records = []
+    for worker in range(2):
+        for step in range(64):
+            sync = step % 4 == 3
+            extra = {"bytes_sent": MODEL_BYTES, "exchange_s": 0.012} if sync else {}
+            records.append({"worker": worker, "step": step, "compute_s": 0.02, "samples": 128, "strategy": "average",
+                            "comm_s": 0.016 if sync else 0.0, "cpu_s": 0.029 if sync else 0.02, **extra})
+    got = calibrate(records, MODEL_BYTES, workers=2)
+    assert got.host_rate == pytest.approx(MODEL_BYTES / 0.012)
+    assert got.exchange_cpu_rate == pytest.approx(MODEL_BYTES / 0.005)
+    # At a whole core nothing changes; at half a core only the 5 ms of CPU doubles, not the 7 of waiting.
+    untimed = calibrate([{k: v for k, v in r.items() if k != "cpu_s"} for r in records], MODEL_BYTES, workers=2)
+    assert untimed.exchange_cpu_rate is None
+    assert predict(got, "average", {"period": 4}, 2, None) == predict(untimed, "average", {"period": 4}, 2, None)
+    # Under a quota on the process (the lab's cgroup) only its own CPU time counts and stretches; on cores
+    # it shares, the whole exchange does (the kernel's network work is charged to no one in particular).
+    assert got.moving_s(MODEL_BYTES, 0.5, quota=True) == pytest.approx(0.012 + 0.005)
+    assert got.moving_s(MODEL_BYTES, 0.5) == untimed.moving_s(MODEL_BYTES, 0.5, quota=True) == pytest.approx(0.024)
+    lab = {"straggler": 0.5, "cores": 2.0}
+    capped = predict(got, "allreduce", {"bucket_mb": 64}, 2, None, **lab)
+    assert capped.samples_per_s > 1.1 * predict(untimed, "allreduce", {"bucket_mb": 64}, 2, None, **lab).samples_per_s
+    # Without a straggler, or on hosts of their own (a slow host's cap is its cores), nothing changes.
+    for setting in ({"cores": 2.0}, {"straggler": 0.5}):
+        assert predict(got, "allreduce", {}, 3, None, **setting) == predict(untimed, "allreduce", {}, 3, None, **setting)
+    # A CPU time above the wall-clock time at a whole core is noise: the rate is host_rate's, no lower.
+    noisy = [{**r, "cpu_s": 0.04} if r.get("bytes_sent") else r for r in records]
+    assert calibrate(noisy, MODEL_BYTES, workers=2).exchange_cpu_rate == pytest.approx(got.host_rate)
+
+
 def test_bad_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match="strategy='ring'"):
         predict(calibration(), "ring", {}, 2)

@@ -8,6 +8,7 @@ process-group strategy then agree on rank 0's view at chosen steps, so all apply
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,11 @@ class ControlPoller:
             try:
                 message = self._variable.get(timeout=5)
             except Exception:  # scheduler busy or variable not yet visible: try again next tick
+                message = None
+            if inspect.iscoroutine(message):
+                # A client closing under the poller (its worker lost the scheduler) answers with an
+                # unawaited coroutine instead of raising: nothing came, and the thread must not die.
+                message.close()
                 message = None
             try:
                 self._released = self._released or self._released_check()

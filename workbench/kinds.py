@@ -59,6 +59,7 @@ STEP_FIELDS = {  # every step, every strategy (the loop's own)
     "compute_s": "forward, backward and optimizer", "comm_s": "communication the step waited for",
     "wait_s": "agreeing on control state, or held at the SSP bound", "lr": "learning rate used",
     "strategy": "the strategy that made the step",
+    "cpu_s": "the worker process's CPU time, all threads, since its previous step (the first: since the loop began)",
 }
 STRATEGY_FIELDS = {  # added by the strategies (and on GPUs by the loop), at the steps they apply to
     "bytes_sent": "bytes this rank put on the wire for the step (or its push)",

@@ -42,6 +42,14 @@ CLONE_NEWNET = 0x40000000
 SCHEDULER_PORT = 8786
 RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 START_TIMEOUT_S = 60.0
+# Dask sets TCP_USER_TIMEOUT on its connections to `distributed.comm.timeouts.tcp` (30 s by default). On
+# a link whose shaper drops packets (`tbf` at 100 Mbit/s under parameter-server transfers), this machine's
+# kernel (6.18) ended healthy connections with ETIMEDOUT at once: a worker's scheduler connection with a
+# 220 ms RTO and no backoff half a second before (ss), dozens of (partly spurious) retransmits behind it
+# over the previous 40 s. The worker then stops ("scheduler connection broken"): 6 of 36 cells at 100
+# Mbit/s on a 2026-11-25 grid. A longer timeout keeps the kernel from ending them; Dask's own heartbeats
+# still find a dead worker. The one setting the lab's processes get beyond a user's defaults.
+LAB_DASK_ENV = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "3600s"}
 
 
 class LabError(RuntimeError):
@@ -220,15 +228,16 @@ class Lab:
         # GLOO_SOCKET_IFNAME set here) names nothing there, so it does not travel; `env` can set it.
         inherited = {k: v for k, v in os.environ.items() if k not in HOST_LOCAL_VARIABLES}
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**inherited, **(env or {})})
+                                   env={**inherited, **LAB_DASK_ENV, **(env or {})})
         log.close()
         self.processes.append((host, process))
         return process
 
     def start_cluster(self, workers_per_host: int = 1, nthreads: int = 1, scheduler_host: int = 0,
                       worker_hosts: list[int] | None = None, env: dict[str, str] | None = None) -> str:
-        """A `dask scheduler` on `scheduler_host` and `dask worker`s (started as a user would, no settings
-        of the workbench's own) on `worker_hosts` (default: every other host). Returns the scheduler's address."""
+        """A `dask scheduler` on `scheduler_host` and `dask worker`s on `worker_hosts` (default: every other
+        host), started as a user would, with no settings of the workbench's own but a longer TCP timeout
+        (`LAB_DASK_ENV`). Returns the scheduler's address."""
         scheduler_ip = self.addresses[scheduler_host]
         self.scheduler_address = f"tcp://{scheduler_ip}:{SCHEDULER_PORT}"
         self.spawn(scheduler_host, [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", scheduler_ip,

@@ -12,7 +12,9 @@ than 4). Each worker's cycle (the steps between its exchanges) is the longest of
 - the server shard's own service (one actor per shard), and the link of the host holding it.
 Moving bytes costs CPU too (serialising, copying, the kernel's veth), measured as the rate `host_rate`
 at which one core moves an exchange when the link does not limit it; the wire and those copies overlap
-for large messages, so a transfer takes the longer of the two.
+for large messages, so a transfer takes the longer of the two. Of that time only the part the process's
+CPU time shows (`exchange_cpu_rate`) counts against the cores and stretches on a slower one; the rest
+is waiting for the peers.
 
 CPU is a budget per pool of cores: on the lab every emulated host shares the machine's cores (one pool
 of `cores`); on real machines (`cores=None`) each host has `host_cores` of its own. Every runnable
@@ -75,6 +77,11 @@ class Calibration:
     """Per message on the wire (the lab adds none: no netem); a ring all-reduce sends 2(N-1) per bucket."""
     server_apply_s: float = 0.0
     """The server's CPU time to apply one push, beyond moving its bytes (measured 0 unless known)."""
+    exchange_cpu_rate: float | None = None
+    """Bytes per CPU-second of the process itself (every thread) an exchange costs: from its CPU time
+    (`cpu_s`), at least `host_rate`, whose time holds the kernel's network work (charged to no one in
+    particular) and waits for the peers. What a CPU quota on the process counts (the lab's straggler, a
+    cgroup). None: unknown, taken as `host_rate`."""
     sync_local_s: float = 0.0
     """An `average` sync's own work around its all-reduce (flattening the weights, the wire copy, the
     divergence, copying the mean back), on one whole core: measured on an `average` run's syncs, their
@@ -86,6 +93,20 @@ class Calibration:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def moving_s(self, payload: float, speed: float = 1.0, quota: bool = False) -> float:
+        """Wall-clock seconds a process moving `payload` bytes through an exchange takes on an unlimited link
+        at CPU speed `speed`. On cores it shares (or its host's own), all of it stretches, the kernel's
+        network work included; when a CPU quota on the process sets the speed (`quota`), only the
+        process's own CPU time does (the quota counts nothing else)."""
+        if not quota:
+            return payload / (self.host_rate * speed)
+        return payload / self.host_rate + self.moving_cpu_s(payload, quota=True) * (1 / speed - 1)
+
+    def moving_cpu_s(self, payload: float, quota: bool = False) -> float:
+        """CPU seconds (at speed 1) moving `payload` bytes through an exchange costs the cores (the kernel's
+        network work included), or with `quota` the process alone."""
+        return payload / ((self.exchange_cpu_rate or self.host_rate) if quota else self.host_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +156,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
     wire = 2 * (n - 1) / n * model_bytes if n > 1 else 0.0
     # Means, not medians: the occasional slow step (a collection, a metrics flush) costs throughput too.
     overhead = _loop_overhead(records, ranks)
-    sync_local = 0.0
+    sync_local, exchange_cpu = 0.0, None
     if strategy == "average":
         # Between syncs a step is compute alone; a sync is a blocking all-reduce of the weights.
         syncs = [r for r in records if r.get("bytes_sent")]
@@ -149,6 +170,11 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         exchange = statistics.fmean(timed) if timed and len(timed) == len(syncs) else sync_s
         sync_local = max(0.0, sync_s - exchange)
         speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
+        # The process's CPU time where the records have it: a sync's beyond a local step's, less the sync's
+        # own copies, is what the exchange cost the CPU (the rest of its time it waited for the peer).
+        if syncs and local and all(r.get("cpu_s") is not None for r in records):
+            exchange_cpu = (statistics.fmean(r["cpu_s"] for r in syncs) - statistics.fmean(r["cpu_s"] for r in local)
+                            - sync_local * speed)
     elif strategy == "allreduce":
         measured_compute = statistics.fmean(r["compute_s"] for r in records)
         measured_comm = statistics.fmean(r["comm_s"] for r in records)
@@ -173,9 +199,12 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         raise ValueError(f"strategy {strategy!r}: calibrate from an 'allreduce' or 'average' run")
     copy_s = exchange if math.isinf(link) else max(0.0, exchange - wire / link)
     host_rate = wire / (copy_s * speed) if copy_s > 0 and wire > 0 else math.inf
+    # CPU time cannot exceed the time at a whole core: a larger measure is noise, and leaves host_rate.
+    cpu_rate = wire / exchange_cpu if exchange_cpu is not None and exchange_cpu > 0 and wire > 0 else None
+    cpu_rate = max(cpu_rate, host_rate) if cpu_rate is not None else None
     fields = {"compute_s": measured_compute * speed, "compute_spread": spread, "model_bytes": float(model_bytes),
               "host_rate": host_rate, "samples_per_step": batch, "step_overhead_s": overhead * speed,
-              "sync_local_s": sync_local * speed,
+              "sync_local_s": sync_local * speed, "exchange_cpu_rate": cpu_rate,
               "calibrated_from": f"{strategy}, {n} workers, {len(records)} step records"}
     return Calibration(**{**fields, **known})
 
@@ -272,6 +301,9 @@ class _Class:
     throttled: bool = False
     idle: float = 0.0  # of the cycle, waiting for the slowest worker's step: CPU nobody else can use
     runnable: float | None = None  # of the cycle, the time the process has CPU work (None: all but `idle`)
+    quota: bool = False  # its speed is set by a CPU quota on its processes (the lab's cgroup), not by cores
+    work_quota: float = 0.0  # `work` as such a quota counts it: the process's own CPU time
+    runnable_quota: float | None = None
 
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
@@ -366,26 +398,33 @@ def _fit_speeds(model: _Model, cores: float | None) -> None:
     wants no more than those; bisections, repeated until they agree."""
     groups = model.classes
 
+    # On the lab (shared `cores`) a host's cap is a cgroup quota on its processes: it counts their CPU time
+    # alone. A real host's cap is its own cores, which run the kernel's network work too.
+    quotas = cores is not None
+
     def fits_alone(group: _Class, speed: float) -> bool:
         group.speed = speed
         model.evaluate()
-        return model.demand(group) <= group.cap * (1 + 1e-9)
+        return model.demand(group, group.quota) <= group.cap * (1 + 1e-9)
 
     def fits_together(level: float, limits: list[float]) -> bool:
         for group, limit in zip(groups, limits):
             group.speed = min(limit, level)
+            group.quota = quotas and limit < level
         model.evaluate()
         return sum(model.demand(g) * g.count for g in groups) <= cores * (1 + 1e-9)
 
     for _ in range(8):
         limits = []
         for group in groups:
+            group.quota = quotas and math.isfinite(group.cap)
             limits.append(_largest(lambda speed: fits_alone(group, speed)))
             group.speed = limits[-1]
         if cores is not None:
             level = _largest(lambda level: fits_together(level, limits))
             for group, limit in zip(groups, limits):
                 group.speed = min(limit, level)
+                group.quota = quotas and limit < level
 
 
 def _largest(fits: Any) -> float:
@@ -410,6 +449,7 @@ class _Model:
         self.staleness: float | None = None
         self.bound_binds = True  # SSP: whether the faster workers' clocks have reached the bound
         self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
+        self.server_load_quota = 0.0  # the same as a quota on the shard's process counts it
 
     def evaluate(self) -> None:
         if self.strategy in SERVER_STRATEGIES:
@@ -417,16 +457,18 @@ class _Model:
         else:
             self._synchronous()
 
-    def demand(self, group: _Class) -> float:
-        """Cores one worker's process of `group` wants (its shard's service included)."""
-        busy = group.cycle - group.idle if group.runnable is None else group.runnable
-        own = group.work / busy if busy > 0 else 0.0
-        server = self.server_load if group.holds_shard else 0.0
+    def demand(self, group: _Class, quota: bool = False) -> float:
+        """Cores one worker's process of `group` wants (its shard's service included): of the cores, or
+        with `quota` as a CPU quota on the process counts them (its own CPU time)."""
+        runnable = group.runnable_quota if quota else group.runnable
+        busy = group.cycle - group.idle if runnable is None else runnable
+        own = (group.work_quota if quota else group.work) / busy if busy > 0 else 0.0
+        server = (self.server_load_quota if quota else self.server_load) if group.holds_shard else 0.0
         return own + server
 
-    def _transfer(self, payload: float, speed: float) -> float:
+    def _transfer(self, payload: float, group: _Class) -> float:
         """A message moved at the slower of the wire and the copies (they overlap for large messages)."""
-        return max(payload / self.link, payload / (self.c.host_rate * speed))
+        return max(payload / self.link, self.c.moving_s(payload, group.speed, group.quota))
 
     # --- all-reduce and averaging: every worker at the slowest one's pace --------------------------------
 
@@ -434,7 +476,8 @@ class _Model:
         c, n, values = self.c, self.n, self.values
         wire = WIRE_FRACTION[values["wire_dtype"]]
         payload = 2 * (n - 1) / n * c.model_bytes * wire if n > 1 else 0.0
-        slowest = min(group.speed for group in self.classes)
+        pace = min(self.classes, key=lambda group: group.speed)
+        slowest = pace.speed
         compute = c.compute_s / slowest
         loop = c.step_overhead_s / slowest
         # No shaper's burst here, though one passes: gloo's all-reduce of 7.45 MB between two lab hosts at
@@ -445,7 +488,7 @@ class _Model:
         if self.strategy == "allreduce":
             steps = 1
             buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
-            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
+            transfer = self._transfer(payload, pace) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
             exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
                                       values["bucket_mb"] * MIB)
             # Every step waits for the slowest of n draws of its compute time. The spread is taken as
@@ -455,7 +498,7 @@ class _Model:
             local = 0.0
         else:
             steps = values["period"]
-            transfer = self._transfer(payload, slowest) + c.latency_s * 2 * (n - 1) if payload else 0.0
+            transfer = self._transfer(payload, pace) + c.latency_s * 2 * (n - 1) if payload else 0.0
             # Over a period the steps' spread averages out as 1/sqrt(period).
             idle = steps * c.compute_s * c.compute_spread * expected_max(n) / math.sqrt(steps)
             # The sync's own copies run on the worker's thread whether the all-reduce overlaps or not.
@@ -463,7 +506,8 @@ class _Model:
             path = steps * (compute + loop) + local / slowest
             exposed = max(0.0, transfer - path) if values["overlap"] else transfer
         cycle = path + exposed + idle
-        copies = payload / c.host_rate
+        copies = c.moving_cpu_s(payload)
+        copies_quota = c.moving_cpu_s(payload, quota=True)
         step_work = c.compute_s + c.step_overhead_s
         # Lockstep: the exchange releases every worker at once, so all of them compute at the same time
         # and then all wait on the wire together. A process wants the CPU while it computes and copies,
@@ -472,11 +516,14 @@ class _Model:
         # the exposed exchange, the copies' share of the transfer is CPU work (all of it when the copies
         # are what bound it), the rest a wait on the wire.
         copying = min(1.0, copies / slowest / transfer) if transfer > 0 else 0.0
+        copying_quota = min(1.0, copies_quota / slowest / transfer) if transfer > 0 else 0.0
         for group in self.classes:
             group.steps, group.cycle, group.idle = steps, cycle, idle
             group.exposed = cycle - steps * step_work / group.speed  # the sync's local work counts as its comm
             group.work = steps * step_work + copies + local
             group.runnable = (steps * step_work + local) / group.speed + exposed * copying
+            group.work_quota = steps * step_work + copies_quota + local
+            group.runnable_quota = (steps * step_work + local) / group.speed + exposed * copying_quota
 
     # --- the parameter server: async, ssp, easgd -------------------------------------------------------
 
@@ -489,20 +536,26 @@ class _Model:
         push = c.model_bytes * _compressed(values["compression"], values["topk_ratio"])
         reply = c.model_bytes * _compressed(replies, values["topk_ratio"]) / pushes_per_fetch
         shards = max(1, self.shards)
-        service = (push + reply) / (2 * c.host_rate) / shards + c.server_apply_s / shards
         holder = next((g for g in self.classes if g.holds_shard), self.classes[0])
+        # One push served: its CPU (of the cores, and as a quota counts it), and its time at the speed the
+        # shard's host gives it.
+        moved = (push + reply) / 2
+        service = (c.moving_cpu_s(moved) + c.server_apply_s) / shards
+        service_quota = (c.moving_cpu_s(moved, quota=True) + c.server_apply_s) / shards
+        serving = (c.moving_s(moved, holder.speed, holder.quota) + c.server_apply_s / holder.speed) / shards
         # A worker's own link carries its push one way and the reply the other, one after the other: each
         # direction idles while the other works, long enough to refill a shaper's bucket for every message.
         own = _beyond(push, self.burst) + _beyond(reply, self.burst)
         for group in self.classes:
             remote = 1 - (1 / shards if group.holds_shard else 0.0)
             wire = own * remote / self.link
-            copies = (push + reply) / (2 * c.host_rate * group.speed)
-            round_trip = max(wire, copies) + service / holder.speed + 2 * c.latency_s
+            copies = c.moving_s(moved, group.speed, group.quota)
+            round_trip = max(wire, copies) + serving + 2 * c.latency_s
             compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
-            group.work = steps * (c.compute_s + c.step_overhead_s) + (push + reply) / (2 * c.host_rate)
+            group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved)
+            group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
         # Every other worker sends each shard its share of every push: n - 1 flows on each shard's link.
@@ -512,13 +565,14 @@ class _Model:
             if not group.holds_shard or shards > 1:
                 group.cycle = max(group.cycle, crossing)
         # The shard's one actor serves every push in turn: past saturation every worker's pushes wait.
-        queue = sum(g.count / g.cycle for g in self.classes) * service / holder.speed
+        queue = sum(g.count / g.cycle for g in self.classes) * serving
         for group in self.classes:
             group.cycle *= max(1.0, queue)
         for group in self.classes:
             group.exposed = group.cycle - group.steps * (c.compute_s + c.step_overhead_s) / group.speed
         self._bound_and_staleness(pushes_per_fetch)
         self.server_load = sum(g.count / g.cycle for g in self.classes) * service
+        self.server_load_quota = sum(g.count / g.cycle for g in self.classes) * service_quota
 
     def _bound_and_staleness(self, pushes_per_fetch: int) -> None:
         groups = self.classes

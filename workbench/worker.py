@@ -186,6 +186,7 @@ class _Loop:
         self.step = 0
         self.epoch = 0
         self.recent_step_s = 0.0  # moving average of step time, for the control interval
+        self._cpu_mark = time.process_time()  # the process's CPU time at the previous step record
         self._gpu = GpuGauge()
         self.control = ControlPoint(self, poller, agreement_s)
         self.checkpoints = LoopCheckpoints(self)
@@ -272,6 +273,10 @@ class _Loop:
         settled_s = self.control.take_settled_s()  # an exchange waited for at the control point, before the step
         loss_value = float(loss.detach())
         elapsed = time.perf_counter() - started
+        # The process's CPU, every thread (the exchange's copies, the server actor, Dask's own): what a
+        # host's CPU cap or a CPU bill counts, which wall-clock step parts do not show.
+        cpu_now = time.process_time()
+        cpu_s, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
         self.recent_step_s = elapsed if not self.recent_step_s else 0.9 * self.recent_step_s + 0.1 * elapsed
         if not math.isfinite(loss_value):
             raise DivergenceError(f"training diverged: the loss became {loss_value} at step {self.step} on worker "
@@ -281,7 +286,7 @@ class _Loop:
             "loss": loss_value, "samples": len(indices), "compute_s": elapsed - comm_s - strategy_wait_s,
             "comm_s": comm_s + settled_s, "wait_s": wait_s - settled_s + strategy_wait_s,
             "lr": context.optimizer.param_groups[0]["lr"],
-            "strategy": self.strategy.name,
+            "strategy": self.strategy.name, "cpu_s": cpu_s,
         }
         # Strategy-specific fields: steps_since_sync, divergence, staleness, bytes_sent, clock, ...
         record.update({k: v for k, v in after_step.items() if k not in ("comm_s", "wait_s")})
