@@ -12,9 +12,10 @@ than 4). Each worker's cycle (the steps between its exchanges) is the longest of
 - the server shard's own service (one actor per shard), and the link of the host holding it.
 Moving bytes costs CPU too (serialising, copying, the kernel's veth), measured as the rate `host_rate`
 at which one core moves an exchange when the link does not limit it; the wire and those copies overlap
-for large messages, so a transfer takes the longer of the two. Of that time only the part the process's
-CPU time shows (`exchange_cpu_rate`) counts against the cores and stretches on a slower one; the rest
-is waiting for the peers.
+for large messages, so a transfer takes the longer of the two. That time holds the kernel's network
+work (charged to no process in particular) and waits for the peers: under a CPU quota on a host's
+processes (the lab's straggler, a cgroup), only the part their own CPU time shows (`exchange_cpu_rate`)
+counts against it and stretches; on shared cores, or a host's own, all of it does.
 
 CPU is a budget per pool of cores: on the lab every emulated host shares the machine's cores (one pool
 of `cores`); on real machines (`cores=None`) each host has `host_cores` of its own. Every runnable
@@ -171,7 +172,8 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         sync_local = max(0.0, sync_s - exchange)
         speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
         # The process's CPU time where the records have it: a sync's beyond a local step's, less the sync's
-        # own copies, is what the exchange cost the CPU (the rest of its time it waited for the peer).
+        # own copies, is what the exchange cost the process's CPU (the rest of its time: the kernel's network
+        # work, and waiting for the peer).
         if syncs and local and all(r.get("cpu_s") is not None for r in records):
             exchange_cpu = (statistics.fmean(r["cpu_s"] for r in syncs) - statistics.fmean(r["cpu_s"] for r in local)
                             - sync_local * speed)
@@ -303,7 +305,7 @@ class _Class:
     runnable: float | None = None  # of the cycle, the time the process has CPU work (None: all but `idle`)
     quota: bool = False  # its speed is set by a CPU quota on its processes (the lab's cgroup), not by cores
     work_quota: float = 0.0  # `work` as such a quota counts it: the process's own CPU time
-    runnable_quota: float | None = None
+    runnable_quota: float | None = None  # `runnable` with the exchange's CPU as such a quota counts it
 
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
