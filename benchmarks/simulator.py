@@ -23,7 +23,7 @@ cell's run had trained at the middle of its window: SSP's bound takes time to bi
 so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
 the document then says `predicted_again`).
 
-    python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler]
+    python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler] [--only ssp]
                                    [--repeats 2] [--window-s 3] [--quick] [--calibrate-with 'average p4']
                                    [--from benchmarks/results/simulator-....json]
 """
@@ -113,7 +113,8 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
     hosts = [int(h) for h in arguments.hosts.split(",")]
     rates = [r.strip() for r in arguments.rates.split(",") if r.strip()]
     conditions = rates + ([] if arguments.no_straggler else [STRAGGLER])
-    configs = [c for c in CONFIGS if not arguments.quick or c[0] in QUICK["configs"]]
+    configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK["configs"])
+               and (not arguments.only or any(word in c[0] for word in arguments.only.split(",")))]
     scratch = Path(tempfile.mkdtemp(prefix="workbench-simulator-"))
     cells: list[dict[str, Any]] = []
     calibration_runs: dict[str, Any] = {}
@@ -375,6 +376,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--hosts", default="2,3,4", help="worker hosts of each lab, comma-separated")
     parser.add_argument("--rates", default=",".join(RATES), help="link rates, comma-separated (tc rates)")
     parser.add_argument("--no-straggler", action="store_true")
+    parser.add_argument("--only", help="only the configurations whose name has one of these comma-separated words")
     parser.add_argument("--repeats", type=int, default=2, help="repetitions of the grid (interleaved; medians)")
     parser.add_argument("--window-s", type=float, default=3.0, help="steady seconds measured per cell")
     # Four cycles, not the network benchmark's two: a parameter-server worker behind a 100 Mbit/s link
