@@ -160,7 +160,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                          "warmup_lab_s": arguments.warmup_lab_s,
                          "straggler": f"the last worker host at "
                          f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
-                         "model": "MLP 784-1024-1024-10", "quick": arguments.quick,
+                         "model": "MLP 784-1024-1024-10", "quick": arguments.quick, "only": arguments.only,
                          "calibration_runs": "2 worker hosts, unlimited link, once per repetition"},
             "measured_minutes": round((time.time() - started) / 60, 1),
             "calibration_runs": calibration_runs, "cells": cells}

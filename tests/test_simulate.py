@@ -247,16 +247,25 @@ def test_calibration_from_averaging_reads_compute_between_syncs_and_the_exchange
     assert calibrate(slow, MODEL_BYTES, link_rate=12.5e6, workers=2).host_rate == pytest.approx(MODEL_BYTES / 0.015)
 
 
-def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_local_work():
-    # Records since 2026-11-25 time the all-reduce alone (`exchange_s`); the rest of the sync is its own
-    # copies, on the worker's core, and the rate is the all-reduce's.
+def _average_p4_records(cpu_s: tuple[float, float] | None = None) -> list[dict]:
+    """Two workers' `average` p4 step records: 20 ms of compute a step; each sync 16 ms, 12 of them the
+    all-reduce (`exchange_s`); with `cpu_s`, a local step's and a sync's process CPU time."""
     records = []
     for worker in range(2):
         for step in range(64):
             sync = step % 4 == 3
             extra = {"bytes_sent": MODEL_BYTES, "exchange_s": 0.012} if sync else {}
+            if cpu_s is not None:
+                extra["cpu_s"] = cpu_s[sync]
             records.append({"worker": worker, "step": step, "compute_s": 0.02, "samples": 128, "strategy": "average",
                             "comm_s": 0.016 if sync else 0.0, **extra})
+    return records
+
+
+def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_local_work():
+    # Records since 2026-11-25 time the all-reduce alone (`exchange_s`); the rest of the sync is its own
+    # copies, on the worker's core, and the rate is the all-reduce's.
+    records = _average_p4_records()
     got = calibrate(records, MODEL_BYTES, workers=2)
     assert got.host_rate == pytest.approx(MODEL_BYTES / 0.012)
     assert got.sync_local_s == pytest.approx(0.004)
@@ -280,13 +289,7 @@ def test_an_average_sync_timed_apart_from_its_all_reduce_gives_the_rate_and_its_
 def test_the_exchange_cpu_time_is_what_a_capped_host_stretches():
     # Records with the process's CPU time (`cpu_s`): a local step costs 20 ms of CPU, a sync 20 + 4 (its
     # copies) + 5: the all-reduce's 12 ms held 7 ms of waiting for the peer.
-    records = []
-    for worker in range(2):
-        for step in range(64):
-            sync = step % 4 == 3
-            extra = {"bytes_sent": MODEL_BYTES, "exchange_s": 0.012} if sync else {}
-            records.append({"worker": worker, "step": step, "compute_s": 0.02, "samples": 128, "strategy": "average",
-                            "comm_s": 0.016 if sync else 0.0, "cpu_s": 0.029 if sync else 0.02, **extra})
+    records = _average_p4_records(cpu_s=(0.02, 0.029))
     got = calibrate(records, MODEL_BYTES, workers=2)
     assert got.host_rate == pytest.approx(MODEL_BYTES / 0.012)
     assert got.exchange_cpu_rate == pytest.approx(MODEL_BYTES / 0.005)
