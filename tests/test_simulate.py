@@ -374,21 +374,45 @@ def test_ssp_over_a_window_is_free_until_the_bound_binds_and_held_after():
         predict(cal, "ssp", {"push_every": 4}, 2, 12.5e6, elapsed_s=1.0, window_s=-1)
 
 
-def test_the_shard_link_carries_one_flow_half_duplex_and_more_flows_partly_both_ways():
-    # A worker's push and its reply take turns (the reply answers the push); other workers' flows fill the
-    # other direction, all but 1/sqrt(flows) of the smaller one (3 flows on the lab's sockets: 0.6 each way).
+def _random_phase_cycle(a: float, flows: int, other: float) -> float:
+    """By hand: f flows of a-second pushes and replies at random phases share each direction equally,
+    T = 2a / (1 - (f - 1) a / T) + other, the larger root of T^2 - ((f + 1) a + other) T + other (f - 1) a."""
+    b = (flows + 1) * a + other
+    return (b + math.sqrt(b * b - 4 * other * (flows - 1) * a)) / 2
+
+
+def test_flows_on_the_shard_link_take_turns_when_they_fit_and_share_at_random_when_not():
+    a = 0.6
+    assert simulate._shared_link_cycle(a, a, 1, 2 * a + 0.1) == 2 * a + 0.1  # one flow: its own round trip
+    # Two flows fit in turns (2a <= their 2a + other): their own cycle, plus the measured share of the gap
+    # to random phases (3a with nothing else in the cycle).
+    assert simulate._shared_link_cycle(a, a, 2, 2 * a) == pytest.approx(2 * a + simulate.TURNS_DISRUPTED * a)
+    for other in (0.0, 0.1, 0.3):
+        alone = 2 * a + other
+        turns = simulate._shared_link_cycle(a, a, 2, alone)
+        assert turns == pytest.approx(alone + simulate.TURNS_DISRUPTED * (_random_phase_cycle(a, 2, other) - alone))
+        # Three do not fit (3a > 2a + other): random phases, 4a with nothing else; never below the link's bytes.
+        three = simulate._shared_link_cycle(a, a, 3, alone)
+        assert three == pytest.approx(_random_phase_cycle(a, 3, other), rel=1e-9)
+        assert three >= 3 * a
+    assert simulate._shared_link_cycle(a, a, 3, 2 * a) == pytest.approx(4 * a)
+    # A flow with room to spare (compute-bound, 3a <= its cycle) takes turns with two others.
+    assert simulate._shared_link_cycle(a, a, 3, 4 * a) < _random_phase_cycle(a, 3, 2 * a)
+    # Compressed pushes: the replies' direction is the busier one and sets when it saturates.
+    assert simulate._shared_link_cycle(a / 2, a, 4, 1.5 * a) > 3 * a
+
+
+def test_remote_workers_wait_on_the_shard_link_as_their_flows_share_it():
     cal, link = calibration(link_efficiency=1.0), 12.5e6  # 100 Mbit/s: the others wait on the shard's link
+    a = MODEL_BYTES / link
     one = predict(cal, "async", {"push_every": 4}, 2, link).per_worker_samples_per_s[1]
-    assert one < 128 * 4 / (2 * MODEL_BYTES / link)  # one flow: its own round trip, both ways in turn
-    for workers in (3, 4):
-        flows = workers - 1
-        crossing = flows * MODEL_BYTES * (1 + 1 / math.sqrt(flows)) / link
-        across = predict(cal, "async", {"push_every": 4}, workers, link).per_worker_samples_per_s[1]
-        assert across == pytest.approx(128 * 4 / crossing)
-    # With compressed pushes the larger direction (replies in float32) is the one that is not hidden.
-    topk = predict(cal, "async", {"push_every": 4, "compression": "fp16", "reply_compression": "none"}, 4, link)
-    crossing = 3 * (MODEL_BYTES + MODEL_BYTES / 2 / math.sqrt(3)) / link
-    assert topk.per_worker_samples_per_s[1] == pytest.approx(128 * 4 / crossing)
+    alone = 128 * 4 / one  # one flow: its own round trip, both ways in turn
+    assert alone > 2 * a
+    four = predict(cal, "async", {"push_every": 4}, 4, link).per_worker_samples_per_s[1]
+    assert 128 * 4 / four == pytest.approx(_random_phase_cycle(a, 3, alone - 2 * a), rel=1e-6)
+    three = predict(cal, "async", {"push_every": 4}, 3, link).per_worker_samples_per_s[1]
+    assert 128 * 4 / three == pytest.approx(
+        alone + simulate.TURNS_DISRUPTED * (_random_phase_cycle(a, 2, alone - 2 * a) - alone), rel=1e-6)
 
 
 # --- a shaper's burst (the lab's tbf; a cloud instance's burst credit) ----------------------------------------

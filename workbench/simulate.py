@@ -54,6 +54,11 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: backward costs about twice the fo
 SSP_THROTTLE_TOLERANCE = 0.03  # push rates closer than this count as equal: the SSP gap does not grow
 COMPRESSED_FRACTION = {"none": 1.0, "fp16": 0.5}  # of float32 bytes; top-k sends values and int32 indices
 WIRE_FRACTION = {"float32": 1.0, "fp16": 0.5, "bf16": 0.5}
+# Of the gap between request/reply flows taking turns on a shard's link and the same flows at random
+# phases, the share they lose on average to what knocks them out of turns (measured on the lab: `ssp` p4, 3
+# workers, 100 Mbit/s, two 60 s runs: cycles of 1.25 s in turns, 1.5-2.4 s for a few cycles after each
+# knock, 1.44 s on average; random phases would take 1.9 s).
+TURNS_DISRUPTED = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -559,13 +564,13 @@ class _Model:
             group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved)
             group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
-        # sends its share of it through no link): a floor under the cycle of those whose bytes cross it.
-        # Every other worker sends each shard its share of every push: n - 1 flows on each shard's link.
+        # sends its share of it through no link): n - 1 request/reply flows, each one's push and reply
+        # taking turns with the others' on that link (`_shared_link_cycle`).
         flows = max(1, n - 1)
-        crossing = (n - 1) * _duplex(*_shared_burst(push / shards, reply / shards, self.burst, flows), flows) / self.link
+        shared = _shared_burst(push / shards, reply / shards, self.burst, flows)
         for group in self.classes:
             if not group.holds_shard or shards > 1:
-                group.cycle = max(group.cycle, crossing)
+                group.cycle = _shared_link_cycle(shared[0] / self.link, shared[1] / self.link, flows, group.cycle)
         # The shard's one actor serves every push in turn: past saturation every worker's pushes wait.
         queue = sum(g.count / g.cycle for g in self.classes) * serving
         for group in self.classes:
@@ -614,15 +619,40 @@ class _Model:
                           cpu_speed=max(g.speed for g in groups))
 
 
-def _duplex(push: float, reply: float, flows: int) -> float:
-    """Bytes' worth of link time one push and its reply take on the shard's link, shared by `flows`
-    request/reply flows. One flow uses one direction at a time (its reply answers its push): half duplex,
-    push + reply. More flows fill the other direction with their own phase, but fair sharing ends their
-    round trips together and keeps them partly in step: the smaller direction is hidden by 1 - 1/sqrt(flows).
-    Measured with plain sockets on the lab (`tbf` 100 Mbit/s, 7.45 MB each way): 3 hosts against one moved
-    0.6 of the rate each way (this: 0.63); one stream each way moved 0.95 (the link is full duplex).
-    Against the lab's async non-shard workers: 0.44/0.54/0.62 each way at 2/3/4 workers, 100 Mbit/s."""
-    return max(push, reply) + min(push, reply) / math.sqrt(max(1, flows))
+def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float) -> float:
+    """The cycle of one of `flows` request/reply flows on a shard's full-duplex link, each alone taking
+    `alone_s` a cycle, `push_s` and `reply_s` of it on that link at its whole rate (the rest: its service,
+    compute). A flow's push and reply take turns (the reply answers the push), so a push can use the
+    link's one direction while another flow's reply uses the other.
+
+    - When every flow's push fits into one flow's cycle end to end (and so do the replies), the flows
+      settle into turns, each at its own pace: the lab's two flows went back to cycles of exactly their
+      one-flow time (1.25 s at 100 Mbit/s) after every knock. Knocks cost them `TURNS_DISRUPTED` of the gap
+      to random phases.
+    - When they do not fit, where they overlap falls at random, and the link's rate is shared equally
+      among the transfers in each direction: a transfer of t seconds alone takes t / (1 - load), load the
+      other flows' share of that direction (processor sharing), fixed point over the cycle. The lab's
+      three flows at 100 Mbit/s: cycles of 1.7-4.5 s, 2.5-2.6 s on average; this gives 2.5 s.
+    Plain sockets on the lab (7.45 MB each way, 15 ms service) showed the two states: two flows 1.31 s a
+    round trip in turns, 2.2-2.3 s in step; one flow 1.24 s."""
+    if flows <= 1:
+        return alone_s
+    other = alone_s - push_s - reply_s
+    busiest = max(push_s, reply_s)
+
+    def excess(cycle: float) -> float:
+        load = (flows - 1) / cycle
+        return push_s / (1 - load * push_s) + reply_s / (1 - load * reply_s) + other - cycle
+
+    # excess() falls from +inf just above the busier direction's saturation to below 0 far out.
+    low, high = (flows - 1) * busiest, max(alone_s, (flows + 1) * (push_s + reply_s) + other)
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    random = max(alone_s, high)
+    if flows * busiest <= alone_s:
+        return alone_s + TURNS_DISRUPTED * (random - alone_s)
+    return random
 
 
 def _beyond(message: float, burst: float) -> float:
@@ -632,8 +662,8 @@ def _beyond(message: float, burst: float) -> float:
 
 def _shared_burst(push: float, reply: float, burst: float, flows: int) -> tuple[float, float]:
     """Push and reply bytes that wait for the rate on a shaped link shared by `flows` request/reply flows.
-    The bucket refills only while its direction idles: per message, about the other direction's hidden
-    share (`_duplex`), smaller/sqrt(flows) bytes' worth; each message gets the burst or that refill, the less.
+    The bucket refills only while its direction idles: per message, about smaller/sqrt(flows) bytes' worth
+    (a share of the other direction's time); each message gets the burst or that refill, the less.
     Measured with plain sockets on the lab (1 Gbit/s, its 1.25 MB burst, 7.45 MB each way, 15 ms serial
     service): one flow's round trip took 0.12 s, two messages' bytes beyond the burst at the rate plus the
     service; with a 64 KiB bucket 0.14 s."""
