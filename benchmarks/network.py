@@ -322,6 +322,7 @@ class Cells:
         self.restarted: list[dict[str, Any]] = []  # workers started again after theirs was lost
         worker_hosts = [i for i in range(1, lab.size)]
         self.worker_hosts = worker_hosts
+        self.workers: int | None = None  # how many of them a run trains on (None: all)
         self.host_of_address = {}
         for index, address in enumerate(lab.addresses):
             self.host_of_address[address] = index
@@ -414,7 +415,7 @@ class Cells:
         # runs under it.
         self.lab.set_rate(None)
         run = workbench.train(job, strategy, client=self.client, run_dir=self.scratch / "runs",
-                              checkpoint_every_s=None, **settings)
+                              checkpoint_every_s=None, workers=self.workers, **settings)
         try:
             cycle = cycle_steps(strategy, settings)
             window = self._time_box(run, cycle)
@@ -505,11 +506,12 @@ class Cells:
         """Why a run's numbers do not count: it trained on fewer workers than there are worker hosts, or
         lost or regrouped workers (named with what the run recorded)."""
         events = [e for e in run.events() if e.get("kind") in ("worker-lost", "regrouped", "worker-failed")]
-        if len(run.worker_addresses) == len(self.worker_hosts) and not events:
+        expected = self.workers or len(self.worker_hosts)
+        if len(run.worker_addresses) == expected and not events:
             return None
         told = "; ".join(f"{e['kind']}: {e.get('reason') or e.get('error') or e.get('address') or ''}"
                          for e in events)[:600]
-        return f"the run had {len(run.worker_addresses)} of {len(self.worker_hosts)} workers ({told or 'no events'})"
+        return f"the run had {len(run.worker_addresses)} of {expected} workers ({told or 'no events'})"
 
     def _wait_past(self, run: Any, moment: float, cycle: int = 1) -> None:
         """Until every worker has recorded a step that ended after `moment` (the window's end), and a

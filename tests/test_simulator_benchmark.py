@@ -1,0 +1,59 @@
+"""The simulator benchmark's calibration (`benchmarks/simulator.py`): each lab's points are predicted from
+the calibration run measured in that lab (the machine's speed drifts over a grid), the one of median
+throughput; documents from before hold runs of the 2-host lab only, or one run. Pure: synthetic records."""
+from __future__ import annotations
+
+import pytest
+from helpers import load_benchmark
+from test_simulate import MODEL_BYTES, _average_p4_records
+
+from workbench import simulate
+
+
+def _run(lab_workers: int, samples_per_s: float, compute_s: float = 0.02) -> dict:
+    records = [{**r, "compute_s": compute_s} for r in _average_p4_records()]
+    return {"strategy": "average", "settings": {"period": 4}, "repeat": 0, "lab_workers": lab_workers,
+            "records": records, "samples_per_s": samples_per_s, "loadavg_before": [1.0]}
+
+
+def _cell(workers: int, samples_per_s: float) -> dict:
+    return {"config": "average p16", "strategy": "average", "settings": {"period": 16}, "condition": "unlimited",
+            "workers": workers, "repeat": 0, "samples_per_s": samples_per_s, "loadavg_before": [1.0]}
+
+
+def test_the_calibration_run_is_the_median_of_its_lab_else_of_the_smallest_lab():
+    simulator = load_benchmark("simulator")
+    runs = [_run(2, 100.0), _run(2, 300.0), _run(2, 200.0), _run(4, 50.0), _run(4, 70.0), _run(3, 10.0)]
+    document = {"calibration_runs": {"average p4": runs}}
+    assert simulator.calibration_run(document, "average p4", 2)["samples_per_s"] == 200.0
+    assert simulator.calibration_run(document, "average p4", 4)["samples_per_s"] == 50.0  # the lower middle
+    assert simulator.calibration_run(document, "average p4", 3)["samples_per_s"] == 10.0
+    assert simulator.calibration_run(document, "average p4", 5)["samples_per_s"] == 200.0  # none there: 2's
+    assert simulator.calibration_run(document, "average p4")["samples_per_s"] == 200.0
+    # Runs from before 2026-11-26 carry no lab: the 2-host lab's. Before 2026-11-25: one run, not a list.
+    legacy = [{k: v for k, v in run.items() if k != "lab_workers"} for run in runs[:3]]
+    assert simulator.calibration_run({"calibration_runs": {"average p4": legacy}}, "average p4", 4)["samples_per_s"] == 200.0
+    single = _run(2, 123.0)
+    assert simulator.calibration_run({"calibration_runs": {"average p4": single}}, "average p4", 3) is single
+
+
+def test_each_labs_points_are_predicted_from_its_own_calibration_run():
+    simulator = load_benchmark("simulator")
+    fast, slow = _run(2, 9000.0, compute_s=0.02), _run(3, 6000.0, compute_s=0.03)
+    document = {"machine": {"cores": 2}, "calibration_runs": {"average p4": [fast, slow]},
+                "cells": [_cell(2, 12000.0), _cell(3, 9000.0)]}
+
+    def expected(run: dict, workers: int) -> float:
+        calibration = simulate.calibrate(run["records"], model_bytes=simulator.MODEL_BYTES, workers=2, cores=2)
+        return simulate.predict(calibration, "average", {"period": 16}, workers, None, cores=2).samples_per_s
+
+    own = {row["workers"]: row["predicted_samples_per_s"] for row in simulator.predict_points(document, "average p4")["table"]}
+    assert own[2] == pytest.approx(expected(fast, 2)) and own[3] == pytest.approx(expected(slow, 3))
+    assert own[3] < expected(fast, 3) * 0.9  # the slower lab's compute, not the first lab's
+    result = simulator.predict_points(document, "average p4")
+    assert set(result["calibration_by_lab"]) == {"2", "3"} and "measured in each lab" in result["calibrated_with"]
+    # Without: every point from the smallest lab's run.
+    single = simulator.predict_points(document, "average p4", per_lab=False)
+    assert {row["workers"]: row["predicted_samples_per_s"] for row in single["table"]}[3] == pytest.approx(expected(fast, 3))
+    assert single["calibration_by_lab"] is None
+    assert MODEL_BYTES == simulator.MODEL_BYTES
