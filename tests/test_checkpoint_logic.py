@@ -1,6 +1,9 @@
 """Pure checkpoint logic, no cluster: data position, finiteness, model checks, atomic files, and the
 agreement on checkpoints asked for by the client."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -72,6 +75,29 @@ def test_the_snapshot_store_hands_out_the_newest_checkpoint_once():
     checkpoints.leave_snapshot("run-x", {"step": 20})
     assert checkpoints.take_snapshot("run-x") == {"step": 20}
     assert checkpoints.take_snapshot("run-x") is None
+
+
+def test_rank_zero_goes_on_once_the_client_has_fetched_its_checkpoint():
+    # A checkpoint left in rank 0's process is lost with it until the client has fetched it.
+    left = {"step": 40}
+    checkpoints.leave_snapshot("run-y", left)
+    taken = []
+    fetcher = threading.Timer(0.3, lambda: taken.append(checkpoints.take_snapshot("run-y")))
+    fetcher.start()
+    began = time.monotonic()
+    assert checkpoints.wait_fetched("run-y", left, timeout_s=30, interrupted=lambda: False)
+    waited = time.monotonic() - began
+    fetcher.join(timeout=5)
+    assert taken == [left] and 0.2 < waited < 5
+    # Never fetched: back after the timeout; interrupted (pause, stop, switch): back at once.
+    checkpoints.leave_snapshot("run-y", left)
+    began = time.monotonic()
+    assert not checkpoints.wait_fetched("run-y", left, timeout_s=0.3, interrupted=lambda: False)
+    assert 0.25 < time.monotonic() - began < 5
+    began = time.monotonic()
+    assert not checkpoints.wait_fetched("run-y", left, timeout_s=30, interrupted=lambda: True)
+    assert time.monotonic() - began < 1
+    assert checkpoints.take_snapshot("run-y") is left  # still there for the client
 
 
 def _position(step, checkpoint_id, at_end=False):

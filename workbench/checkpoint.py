@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,7 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 _snapshots: dict[str, dict[str, Any]] = {}
 _snapshots_lock = threading.Lock()
+_fetched = threading.Condition(_snapshots_lock)  # notified when the client takes one
 
 
 def leave_snapshot(run_id: str, checkpoint: dict[str, Any]) -> None:
@@ -115,5 +118,20 @@ def leave_snapshot(run_id: str, checkpoint: dict[str, Any]) -> None:
 def take_snapshot(run_id: str) -> dict[str, Any] | None:
     """A Dask task the client runs on rank 0's worker: the newest checkpoint left there (None when an
     earlier fetch took it already)."""
-    with _snapshots_lock:
-        return _snapshots.pop(run_id, None)
+    with _fetched:
+        snapshot = _snapshots.pop(run_id, None)
+        _fetched.notify_all()
+        return snapshot
+
+
+def wait_fetched(run_id: str, checkpoint: dict[str, Any], timeout_s: float, interrupted: Callable[[], bool]) -> bool:
+    """Until the client has taken `checkpoint` (left for `run_id`): True; False when `timeout_s` passed
+    or `interrupted()` first (checked every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    with _fetched:
+        while _snapshots.get(run_id) is checkpoint:
+            left = deadline - time.monotonic()
+            if left <= 0 or interrupted():
+                return False
+            _fetched.wait(min(left, 0.05))
+    return True

@@ -16,7 +16,7 @@ import torch
 
 from . import kinds
 from .averaging import flatten
-from .checkpoint import all_finite, leave_snapshot
+from .checkpoint import all_finite, leave_snapshot, wait_fetched
 from .errors import DivergenceError
 from .strategies.base import Carried, TrainingContext
 
@@ -82,6 +82,12 @@ class LoopCheckpoints:
         leave_snapshot(task.run_id, checkpoint)
         loop.sender.event(kinds.CHECKPOINT_READY, step=loop.step, generation=task.generation,
                           took_s=time.perf_counter() - started)
+        # Until the client has fetched it, it lives in this process only: lost with this worker, a regroup
+        # goes back to the one before, and rank 0 may have gone on by more than an interval (under load,
+        # 104 steps of a 40-step interval once, `ssp` with its shard on rank 0). So rank 0 goes on once
+        # it is fetched (a round trip to the client; others hold at their next collective or SSP bound),
+        # after `collective_timeout_s`, or at a pause, stop or switch.
+        wait_fetched(task.run_id, checkpoint, task.collective_timeout_s, loop.control.waiting)
         return None
 
     def restore(self, context: TrainingContext, checkpoint: dict[str, Any]) -> None:
