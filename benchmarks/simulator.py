@@ -193,8 +193,9 @@ def measure_calibration_runs(bench: Any, kept: _Kept, lab: Any, runs: dict[str, 
     run, but not one the lab's noise singled out: the first run after the lab started measured 8% below
     every later run of the same condition, 2026-11-24). The machine's speed drifts within a grid: on
     2026-11-25-d the 2-host lab's calibration runs read 11,429-11,680 samples/s and its `average` p16 cells
-    13,070-13,654, the 4-host lab's `average` p16 cells 20 minutes later 10,877-11,764, so predictions from
-    the 2-host lab's calibration read its 4 workers 14-21% low. Each run is alone enough to calibrate from."""
+    13,070-13,654, the 4-host lab's `average` p16 cells 20 minutes later 10,877-11,764, and predictions from
+    the 2-host lab's calibration put 7 of its 4-worker points 15-21% high. Each run is alone enough to
+    calibrate from."""
     bench.condition = "unlimited"
     bench.workers = 2
     try:
@@ -283,10 +284,10 @@ def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool 
     from workbench import simulate
     from workbench.lab import burst_bytes
 
-    calibrations: dict[int, Any] = {}
-    runs: dict[int, dict[str, Any]] = {}
+    calibrations: dict[int | None, Any] = {}  # None: the smallest lab's
+    runs: dict[int | None, dict[str, Any]] = {}
 
-    def calibrated(lab_workers: int) -> Any:
+    def calibrated(lab_workers: int | None) -> Any:
         if lab_workers not in calibrations:
             runs[lab_workers] = calibration_run(document, calibrate_with, lab_workers if per_lab else None)
             calibrations[lab_workers] = simulate.calibrate(runs[lab_workers]["records"], model_bytes=MODEL_BYTES,
@@ -294,7 +295,7 @@ def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool 
                                                            cores=document["machine"]["cores"])
         return calibrations[lab_workers]
 
-    calibration = calibrated(0)  # the smallest lab's
+    calibration = calibrated(None)
     rows = []
     points = median_points(document["cells"]) if "cells" in document else document["points"]
     for point in points:
@@ -324,15 +325,15 @@ def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool 
     worst = max(good, key=lambda r: r["throughput_error"]) if good else None
     stale = [r for r in rows if "staleness_error" in r]
     worst_stale = max(stale, key=lambda r: r["staleness_error"]) if stale else None
-    run = runs[0]
+    run = runs[None]
     measured_in = document["calibration_runs"][calibrate_with]
     own = per_lab and isinstance(measured_in, list) and len({r.get("lab_workers", 2) for r in measured_in}) > 1
-    calibrations.pop(0)
     return {"calibrated_with": f"{calibrate_with}, 2 worker hosts, unlimited link"
                                + (f", repetition {run['repeat'] + 1} (median throughput)" if "repeat" in run else "")
                                + (", measured in each lab (its points predicted from its own)" if own else ""),
             "calibration": calibration.as_dict(),
-            "calibration_by_lab": {str(k): c.as_dict() for k, c in sorted(calibrations.items())} if own else None,
+            "calibration_by_lab": ({str(k): c.as_dict() for k, c in sorted(calibrations.items(), key=lambda kc: kc[0] or 0)
+                                    if k is not None} if own else None),
             "table": rows,
             "max_throughput_error": worst["throughput_error"] if worst else None,
             "max_throughput_error_at": _where(worst),

@@ -637,7 +637,7 @@ def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float
     round trip in turns, 2.2-2.3 s in step; one flow 1.24 s."""
     if flows <= 1:
         return alone_s
-    other = alone_s - push_s - reply_s
+    other = max(0.0, alone_s - push_s - reply_s)  # its service and compute (a burst can make it < 0)
     busiest = max(push_s, reply_s)
 
     def excess(cycle: float) -> float:
