@@ -450,9 +450,9 @@ class Cells:
 
         A strategy that exchanges every `cycle` steps trains in bursts between exchanges; on a slow link
         one burst and wait can outlast the window. So the warm-up lasts at least two cycles (the first
-        exchange under the condition, and the reply that records it, are behind it), and the window at least --min-cycles of every worker
-        (a rate taken over a fraction of a cycle says more about where it fell than about the strategy),
-        up to --max-window-s."""
+        exchange under the condition, and the reply that records it, are behind it), and the window at
+        least --min-cycles of every worker (a rate taken over a fraction of a cycle says more about where
+        it fell than about the strategy), up to --max-window-s."""
         a = self.arguments
         workers = len(run.worker_addresses)
         deadline = time.monotonic() + a.start_timeout_s
