@@ -26,7 +26,8 @@ def calibration(**changes) -> Calibration:
 @pytest.mark.parametrize("workers", [2, 3, 4, 16, 1024])
 @pytest.mark.parametrize("cores", [2.0, None])
 def test_a_faster_link_never_lowers_predicted_throughput(strategy, settings, workers, cores):
-    cal = calibration(compute_spread=0.1)
+    # Left aside: the turns a shard holder gives the pushes a faster link lets through (their own test).
+    cal = calibration(compute_spread=0.1, server_turns=0.0)
     previous = 0.0
     for rate in (1e6, 12.5e6, 125e6, 1.25e9, None):
         now = predict(cal, strategy, settings, workers, rate, cores=cores).samples_per_s
@@ -177,7 +178,7 @@ def test_shared_cores_slow_compute_by_processes_per_core():
 
 
 def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():
-    cal = calibration()
+    cal = calibration(server_turns=0.0)  # the holder's turns have their own test
     sync = predict(cal, "average", {"period": 10_000}, 4, None, straggler=0.5)
     assert sync.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / 0.5), rel=0.01)
     # Real hosts (2 cores each): the others compute at full speed, their copies on the second core; the
@@ -186,6 +187,27 @@ def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():
     holder, other, slow = free.per_worker_samples_per_s
     assert other == pytest.approx(128 / cal.compute_s)
     assert slow == pytest.approx(0.5 * 4 * 128 / (4 * cal.compute_s + MODEL_BYTES / cal.host_rate), rel=0.01)
+
+
+def test_a_shard_holder_gives_its_training_thread_turns_to_the_pushes_that_cross_a_link():
+    # Lab (2 shared cores), 2 workers, the other at half a core: a core stands idle, yet the holder's
+    # training thread gives each push from the other host the push's and reply's moving time.
+    cal = calibration()
+    holder, slow = predict(cal, "async", {"push_every": 4}, 2, None, straggler=0.5, cores=2).per_worker_samples_per_s
+    turn = 2 * MODEL_BYTES / cal.host_rate
+    speed = 1 - slow / (4 * 128) * turn
+    assert speed < 0.95
+    assert holder == pytest.approx(4 * 128 / (4 * cal.compute_s / speed), rel=0.01)
+    # Its own pushes (over loopback) cost it none: one worker alone computes at a whole core.
+    alone = predict(cal, "async", {"push_every": 4}, 1, None, cores=2)
+    assert alone.per_worker_samples_per_s[0] == pytest.approx(128 / cal.compute_s, rel=0.001)
+    # A faster link lets more pushes through, and the holder computes slower (the lab: 7,339 samples/s
+    # beside 0.8 pushes a second at 100 Mbit/s, 5,430 beside 8.6 at 1 Gbit/s); without the turns it would not.
+    slow_link, fast_link = (predict(cal, "async", {"push_every": 4}, 2, rate, cores=2) for rate in (12.5e6, 125e6))
+    assert fast_link.per_worker_samples_per_s[0] < 0.9 * slow_link.per_worker_samples_per_s[0]
+    assert fast_link.samples_per_s > slow_link.samples_per_s
+    unturned = predict(calibration(server_turns=0.0), "async", {"push_every": 4}, 2, 125e6, cores=2)
+    assert fast_link.per_worker_samples_per_s[0] < 0.9 * unturned.per_worker_samples_per_s[0]
 
 
 def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, steps: int = 400):
@@ -396,14 +418,19 @@ def test_flows_on_the_shard_link_take_turns_when_they_fit_and_share_at_random_wh
         assert three == pytest.approx(_random_phase_cycle(a, 3, other), rel=1e-9)
         assert three >= 3 * a
     assert simulate._shared_link_cycle(a, a, 3, 2 * a) == pytest.approx(4 * a)
-    # A flow with room to spare (compute-bound, 3a <= its cycle) takes turns with two others.
+    # A flow the link clocks, with room to spare (3a <= its cycle), takes turns with two others; one
+    # whose compute starts each push keeps the compute's jitter in its phase: random overlaps.
     assert simulate._shared_link_cycle(a, a, 3, 4 * a) < _random_phase_cycle(a, 3, 2 * a)
+    assert simulate._shared_link_cycle(a, a, 3, 4 * a, clocked=False) == pytest.approx(_random_phase_cycle(a, 3, 2 * a))
+    assert simulate._shared_link_cycle(a, a, 2, 2 * a + 0.1, clocked=False) == \
+        pytest.approx(_random_phase_cycle(a, 2, 0.1))
     # Compressed pushes: the replies' direction is the busier one and sets when it saturates.
     assert simulate._shared_link_cycle(a / 2, a, 4, 1.5 * a) > 3 * a
 
 
 def test_remote_workers_wait_on_the_shard_link_as_their_flows_share_it():
-    cal, link = calibration(link_efficiency=1.0), 12.5e6  # 100 Mbit/s: the others wait on the shard's link
+    # 100 Mbit/s: the others wait on the shard's link (the holder's turns, which slow its service, aside).
+    cal, link = calibration(link_efficiency=1.0, server_turns=0.0), 12.5e6
     a = MODEL_BYTES / link
     one = predict(cal, "async", {"push_every": 4}, 2, link).per_worker_samples_per_s[1]
     alone = 128 * 4 / one  # one flow: its own round trip, both ways in turn
@@ -413,6 +440,12 @@ def test_remote_workers_wait_on_the_shard_link_as_their_flows_share_it():
     three = predict(cal, "async", {"push_every": 4}, 3, link).per_worker_samples_per_s[1]
     assert 128 * 4 / three == pytest.approx(
         alone + simulate.TURNS_DISRUPTED * (_random_phase_cycle(a, 2, alone - 2 * a) - alone), rel=1e-6)
+    # A faster link: the round trip fits beside the compute, which then starts each push (random phases).
+    fast = 400e6
+    a, compute = MODEL_BYTES / fast, 4 * cal.compute_s
+    three = predict(cal, "async", {"push_every": 4}, 3, fast).per_worker_samples_per_s[1]
+    assert 2 * a < compute
+    assert 128 * 4 / three == pytest.approx(_random_phase_cycle(a, 2, compute - 2 * a), rel=1e-6)
 
 
 # --- a shaper's burst (the lab's tbf; a cloud instance's burst credit) ----------------------------------------
@@ -436,7 +469,7 @@ def test_a_burst_shortens_both_messages_of_a_parameter_server_round_trip():
     # server's copies in and out, reply. Each direction idles while the other works, so each message
     # finds the bucket full (measured on the lab with plain sockets: 0.12 s a round trip, 0.14 s with a
     # 64 KiB bucket).
-    cal = calibration(compute_s=0.001)
+    cal = calibration(compute_s=0.001, server_turns=0.0)
     link = RATE_1GBIT * cal.link_efficiency
     service = MODEL_BYTES / cal.host_rate
     got = predict(cal, "async", {"push_every": 4}, 2, RATE_1GBIT, link_burst=BURST)

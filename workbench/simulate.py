@@ -92,6 +92,14 @@ class Calibration:
     """An `average` sync's own work around its all-reduce (flattening the weights, the wire copy, the
     divergence, copying the mean back), on one whole core: measured on an `average` run's syncs, their
     time less the all-reduce's (`exchange_s`); 0 when calibrated from `allreduce`."""
+    server_turns: float = 1.0
+    """Of a push's and its reply's moving time (at `host_rate`), what the process of a shard's host gives
+    each push that comes over a link, at most one core in all: its event loop handles the push taking
+    turns with the training thread at the interpreter lock, though a core stands idle. Measured per
+    thread on the lab (2 workers, `async` p4): the holder's training thread ran 0.96 of a core beside 0.8
+    such pushes a second (100 Mbit/s), 0.78-0.84 beside 5.5-8.6 (1 Gbit/s; the other host at half a
+    core), 21-28 ms a push where the moving time is 22 ms; its own pushes, over loopback, took none.
+    0: a server whose process holds no worker."""
     link_efficiency: float = 1448 / 1514
     """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
     1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
@@ -412,7 +420,8 @@ def _fit_speeds(model: _Model, cores: float | None) -> None:
     def fits_alone(group: _Class, speed: float) -> bool:
         group.speed = speed
         model.evaluate()
-        return model.demand(group, group.quota) <= group.cap * (1 + 1e-9)
+        return (model.demand(group, group.quota) <= group.cap * (1 + 1e-9)
+                and speed + model.turns(group) <= 1 + 1e-9)
 
     def fits_together(level: float, limits: list[float]) -> bool:
         for group, limit in zip(groups, limits):
@@ -457,6 +466,7 @@ class _Model:
         self.bound_binds = True  # SSP: whether the faster workers' clocks have reached the bound
         self.server_load = 0.0  # CPU seconds per second one shard spends serving pushes (at speed 1)
         self.server_load_quota = 0.0  # the same as a quota on the shard's process counts it
+        self.remote_turns = 0.0  # of a core, the turns a shard holder gives the pushes that cross a link
 
     def evaluate(self) -> None:
         if self.strategy in SERVER_STRATEGIES:
@@ -472,6 +482,11 @@ class _Model:
         own = (group.work_quota if quota else group.work) / busy if busy > 0 else 0.0
         server = (self.server_load_quota if quota else self.server_load) if group.holds_shard else 0.0
         return own + server
+
+    def turns(self, group: _Class) -> float:
+        """Of a core, what a shard holder's process gives the pushes that come over a link
+        (`Calibration.server_turns`): its speed is at most what is left."""
+        return self.remote_turns if group.holds_shard else 0.0
 
     def _transfer(self, payload: float, group: _Class) -> float:
         """A message moved at the slower of the wire and the copies (they overlap for large messages)."""
@@ -553,6 +568,7 @@ class _Model:
         # A worker's own link carries its push one way and the reply the other, one after the other: each
         # direction idles while the other works, long enough to refill a shaper's bucket for every message.
         own = _beyond(push, self.burst) + _beyond(reply, self.burst)
+        clocked: dict[int, bool] = {}
         for group in self.classes:
             remote = 1 - (1 / shards if group.holds_shard else 0.0)
             wire = own * remote / self.link
@@ -561,6 +577,8 @@ class _Model:
             compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
+            # Whether the reply starts the next push (the link clocks the flow) or its compute does.
+            clocked[id(group)] = round_trip >= compute or not values["overlap"]
             group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved)
             group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
@@ -570,7 +588,8 @@ class _Model:
         shared = _shared_burst(push / shards, reply / shards, self.burst, flows)
         for group in self.classes:
             if not group.holds_shard or shards > 1:
-                group.cycle = _shared_link_cycle(shared[0] / self.link, shared[1] / self.link, flows, group.cycle)
+                group.cycle = _shared_link_cycle(shared[0] / self.link, shared[1] / self.link, flows, group.cycle,
+                                                 clocked[id(group)])
         # The shard's one actor serves every push in turn: past saturation every worker's pushes wait.
         queue = sum(g.count / g.cycle for g in self.classes) * serving
         for group in self.classes:
@@ -580,6 +599,8 @@ class _Model:
         self._bound_and_staleness(pushes_per_fetch)
         self.server_load = sum(g.count / g.cycle for g in self.classes) * service
         self.server_load_quota = sum(g.count / g.cycle for g in self.classes) * service_quota
+        arriving = sum(g.count / g.cycle for g in self.classes if not g.holds_shard or shards > 1)
+        self.remote_turns = arriving * c.server_turns * c.moving_cpu_s(push + reply) / shards
 
     def _bound_and_staleness(self, pushes_per_fetch: int) -> None:
         groups = self.classes
@@ -619,16 +640,21 @@ class _Model:
                           cpu_speed=max(g.speed for g in groups))
 
 
-def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float) -> float:
+def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float, clocked: bool = True) -> float:
     """The cycle of one of `flows` request/reply flows on a shard's full-duplex link, each alone taking
     `alone_s` a cycle, `push_s` and `reply_s` of it on that link at its whole rate (the rest: its service,
     compute). A flow's push and reply take turns (the reply answers the push), so a push can use the
     link's one direction while another flow's reply uses the other.
 
-    - When every flow's push fits into one flow's cycle end to end (and so do the replies), the flows
-      settle into turns, each at its own pace: the lab's two flows went back to cycles of exactly their
-      one-flow time (1.25 s at 100 Mbit/s) after every knock. Knocks cost them `TURNS_DISRUPTED` of the gap
-      to random phases.
+    - When every flow's push fits into one flow's cycle end to end (and so do the replies), and the link
+      clocks each flow (`clocked`: its reply starts its next push, as when the round trip outlasts the
+      compute it overlaps), the flows settle into turns, each at its own pace: the lab's two flows went
+      back to cycles of exactly their one-flow time (1.25 s at 100 Mbit/s) after every knock. Knocks cost
+      them `TURNS_DISRUPTED` of the gap to random phases.
+    - Flows whose compute starts each push (the round trip alone shorter than the compute beside it) keep
+      its jitter in their phases: they overlap at random. The lab's two flows at 1 Gbit/s (3 workers,
+      compute a little longer than the round trip): 167-192 ms a cycle on grid 2026-11-25-e (`async` and
+      `ssp` p4), where turns give 150 ms and random phases 168 ms.
     - When they do not fit, where they overlap falls at random, and the link's rate is shared equally
       among the transfers in each direction: a transfer of t seconds alone takes t / (1 - load), load the
       other flows' share of that direction (processor sharing), fixed point over the cycle. The lab's
@@ -650,7 +676,7 @@ def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float
         middle = (low + high) / 2
         low, high = (middle, high) if excess(middle) > 0 else (low, middle)
     random = max(alone_s, high)
-    if flows * busiest <= alone_s:
+    if clocked and flows * busiest <= alone_s:
         return alone_s + TURNS_DISRUPTED * (random - alone_s)
     return random
 
