@@ -9,7 +9,8 @@ than 4). Each worker's cycle (the steps between its exchanges) is the longest of
 - its exchange: a ring all-reduce moves 2(N-1)/N of the payload each way per worker, bucketed and
   overlapped with backward for `allreduce`; a parameter-server round trip moves the push up and the
   reply down the worker's link, and the server's link carries every remote worker's traffic;
-- the server shard's own service (one actor per shard), and the link of the host holding it.
+- the server shard's own service (one actor per shard), and the link of the host holding it; that
+  host's training thread gives turns to the pushes that come over a link (`server_turns`).
 Moving bytes costs CPU too (serialising, copying, the kernel's veth), measured as the rate `host_rate`
 at which one core moves an exchange when the link does not limit it; the wire and those copies overlap
 for large messages, so a transfer takes the longer of the two. That time holds the kernel's network
@@ -27,7 +28,8 @@ by each exchange, so they compute in lockstep and then wait on the wire together
 cores idle during that wait but does not let the computes run faster (the lab's time split: `average`'s 4
 workers on 2 cores computed 0.033-0.037 s per step at every link rate, 100 Mbit/s included, against 0.018 s
 on a core of their own). A host's cap (the lab's straggler: a cgroup quota; a real host's own cores)
-holds all its threads, the shard's actor and the copies included.
+holds all its threads, the shard's actor and the copies included, and its Dask processes' own share
+(`host_background_cores`).
 Calibration undoes the same sharing: on shared cores the calibration run's backward shared each
 worker's core with the all-reduce's copies, so its measured compute holds some copying.
 
@@ -62,7 +64,7 @@ WIRE_FRACTION = {"float32": 1.0, "fp16": 0.5, "bf16": 0.5}
 # the remote flows lost a median 0.67 of the gap (`async` p4, 24 flows of 12 runs) and 0.83 (`ssp` p4, 15
 # runs: 717-1,227 samples/s); two 60 s `ssp` runs lost 0.26 and 0.36.
 TURNS_DISRUPTED = 0.75
-MIN_CAP = 0.01  # cores: a host's cap after its Dask processes' share, at least (a cap below their share)
+MIN_CAP = 0.01  # cores: the least a capped host leaves its training once its Dask processes have their share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,7 +670,7 @@ def _shared_link_cycle(push_s: float, reply_s: float, flows: int, alone_s: float
     - Flows whose compute starts each push (the round trip alone shorter than the compute beside it) keep
       its jitter in their phases: they overlap at random. The lab's two flows at 1 Gbit/s (3 workers,
       compute a little longer than the round trip): 167-192 ms a cycle on grid 2026-11-25-e (`async` and
-      `ssp` p4), where turns give 150 ms and random phases 168 ms.
+      `ssp` p4); random phases give 168 ms, their own cycle alone about 145.
     - When they do not fit, where they overlap falls at random, and the link's rate is shared equally
       among the transfers in each direction: a transfer of t seconds alone takes t / (1 - load), load the
       other flows' share of that direction (processor sharing), fixed point over the cycle. The lab's
