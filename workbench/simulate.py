@@ -331,6 +331,7 @@ class _Class:
     quota: bool = False  # its speed is set by a CPU quota on its processes (the lab's cgroup), not by cores
     work_quota: float = 0.0  # `work` as such a quota counts it: the process's own CPU time
     runnable_quota: float | None = None  # `runnable` with the exchange's CPU as such a quota counts it
+    clocked: bool = True  # its reply starts its next push (the link clocks the flow), not its compute
 
 
 def predict(calibration: Calibration, strategy: str, settings: Mapping[str, Any] | None, workers: int,
@@ -584,7 +585,6 @@ class _Model:
         # A worker's own link carries its push one way and the reply the other, one after the other: each
         # direction idles while the other works, long enough to refill a shaper's bucket for every message.
         own = _beyond(push, self.burst) + _beyond(reply, self.burst)
-        clocked: dict[int, bool] = {}
         for group in self.classes:
             remote = 1 - (1 / shards if group.holds_shard else 0.0)
             wire = own * remote / self.link
@@ -593,8 +593,7 @@ class _Model:
             compute = steps * (c.compute_s + c.step_overhead_s) / group.speed
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
-            # Whether the reply starts the next push (the link clocks the flow) or its compute does.
-            clocked[id(group)] = round_trip >= compute or not values["overlap"]
+            group.clocked = round_trip >= compute or not values["overlap"]
             group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved)
             group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
@@ -605,7 +604,7 @@ class _Model:
         for group in self.classes:
             if not group.holds_shard or shards > 1:
                 group.cycle = _shared_link_cycle(shared[0] / self.link, shared[1] / self.link, flows, group.cycle,
-                                                 clocked[id(group)])
+                                                 group.clocked)
         # The shard's one actor serves every push in turn: past saturation every worker's pushes wait.
         queue = sum(g.count / g.cycle for g in self.classes) * serving
         for group in self.classes:
