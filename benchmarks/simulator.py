@@ -24,7 +24,7 @@ so the predictions can be made again without the lab (`--from FILE`, e.g. after 
 the document then says `predicted_again`).
 
     python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler] [--only ssp]
-                                   [--repeats 2] [--window-s 3] [--quick] [--calibrate-with 'average p4']
+                                   [--repeats 3] [--window-s 8] [--quick] [--calibrate-with 'average p4']
                                    [--from benchmarks/results/simulator-....json]
 """
 from __future__ import annotations
@@ -406,8 +406,11 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--rates", default=",".join(RATES), help="link rates, comma-separated (tc rates)")
     parser.add_argument("--no-straggler", action="store_true")
     parser.add_argument("--only", help="only the configurations whose name has one of these comma-separated words")
-    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the grid (interleaved; medians)")
-    parser.add_argument("--window-s", type=float, default=3.0, help="steady seconds measured per cell")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of the grid (interleaved; medians)")
+    # 8 s after 3 s of warm-up, not 3 after 1.5: a point's repetitions spread a median 3.2% (2026-11-26-long,
+    # 46 minutes) where 3 s windows spread 4.7-6.8% (-b, -c, 35 minutes), and the 4-host lab's calibration
+    # runs read 10,877-11,840 samples/s where they had read 7,713-10,969.
+    parser.add_argument("--window-s", type=float, default=8.0, help="steady seconds measured per cell")
     # Eight cycles, not the network benchmark's two: a parameter-server worker behind a 100 Mbit/s link
     # pushes every 1-3 s, and its flow falls in and out of turns with the others' over 5-10 cycles. Over
     # four, `ssp` p4's repetitions read 778-1,043 samples/s at 3 workers and 713-887 at 4 (2026-11-25-d),
@@ -417,7 +420,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--max-window-s", type=float, default=24.0)
     parser.add_argument("--warmup-lab-s", type=float, default=60.0, help="seconds of unmeasured training "
                         "before the grid's first cell (0: none)")
-    parser.add_argument("--warmup-s", type=float, default=1.5)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
     parser.add_argument("--label", default=None, help="JSON to benchmarks/results/simulator-LABEL.json "

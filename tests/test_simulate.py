@@ -197,8 +197,9 @@ def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():
 
 def test_a_shard_holder_gives_its_training_thread_turns_to_the_pushes_that_cross_a_link():
     # Lab (2 shared cores), 2 workers, the other at half a core: a core stands idle, yet the holder's
-    # training thread gives each push from the other host the push's and reply's moving time.
-    cal = calibration()
+    # training thread gives each push from the other host the push's and reply's moving time. (The CPU
+    # a link's pacing costs has its own test.)
+    cal = calibration(paced_cpu_s_per_byte=0.0)
     holder, slow = predict(cal, "async", {"push_every": 4}, 2, None, straggler=0.5, cores=2).per_worker_samples_per_s
     turn = 2 * MODEL_BYTES / cal.host_rate
     speed = 1 - slow / (4 * 128) * turn
@@ -212,8 +213,40 @@ def test_a_shard_holder_gives_its_training_thread_turns_to_the_pushes_that_cross
     slow_link, fast_link = (predict(cal, "async", {"push_every": 4}, 2, rate, cores=2) for rate in (12.5e6, 125e6))
     assert fast_link.per_worker_samples_per_s[0] < 0.9 * slow_link.per_worker_samples_per_s[0]
     assert fast_link.samples_per_s > slow_link.samples_per_s
-    unturned = predict(calibration(server_turns=0.0), "async", {"push_every": 4}, 2, 125e6, cores=2)
+    unturned = predict(calibration(server_turns=0.0, paced_cpu_s_per_byte=0.0), "async", {"push_every": 4}, 2, 125e6,
+                       cores=2)
     assert fast_link.per_worker_samples_per_s[0] < 0.9 * unturned.per_worker_samples_per_s[0]
+
+
+def test_a_paced_link_costs_each_exchange_cpu_at_both_ends():
+    cal = calibration()
+    assert cal.paced_share(math.inf) == 0.0 and cal.paced_share(2 * cal.host_rate) == 0.0
+    assert cal.paced_share(RATE_1GBIT) == pytest.approx(1 - RATE_1GBIT / cal.host_rate)
+    # Hosts of 0.3 cores each, 1 Gbit/s: the remote worker's compute outlasts its round trip, so its
+    # CPU per cycle (four steps, the exchange's copies, the paced bytes' share) fills its cap.
+    link = RATE_1GBIT * cal.link_efficiency
+    paced = cal.paced_share(link) * cal.paced_cpu_s_per_byte * 2 * MODEL_BYTES
+    cap = 0.3 - cal.host_background_cores
+    cycle_cpu = 4 * cal.compute_s + cal.moving_cpu_s(MODEL_BYTES)
+    got = predict(cal, "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3).per_worker_samples_per_s[1]
+    assert got == pytest.approx(4 * 128 * cap / (cycle_cpu + paced), rel=1e-6)
+    unpaced = predict(calibration(paced_cpu_s_per_byte=0.0), "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3)
+    assert unpaced.per_worker_samples_per_s[1] == pytest.approx(4 * 128 * cap / cycle_cpu, rel=1e-6)
+    # The holder serves the paced pushes of three remote workers, on the lab's shared cores: it computes
+    # slower, and the remote workers, whose cycle the holder's link sets, gain nothing from it.
+    lab, lab_unpaced = (predict(c, "async", {"push_every": 4}, 4, RATE_1GBIT, cores=2)
+                        for c in (cal, calibration(paced_cpu_s_per_byte=0.0)))
+    assert lab.per_worker_samples_per_s[0] < 0.9 * lab_unpaced.per_worker_samples_per_s[0]
+    assert lab.per_worker_samples_per_s[1] <= lab_unpaced.per_worker_samples_per_s[1]
+    assert lab.samples_per_s < 0.95 * lab_unpaced.samples_per_s
+    # None on an unlimited link, nor for gloo's collectives.
+    for strategy, settings in STRATEGIES:
+        unlimited = [predict(c, strategy, settings, 4, None, cores=2).samples_per_s
+                     for c in (cal, calibration(paced_cpu_s_per_byte=0.0))]
+        assert unlimited[0] == unlimited[1]
+        if strategy in ("allreduce", "average"):
+            assert (predict(cal, strategy, settings, 4, RATE_1GBIT, cores=2).samples_per_s
+                    == predict(calibration(paced_cpu_s_per_byte=0.0), strategy, settings, 4, RATE_1GBIT, cores=2).samples_per_s)
 
 
 def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, steps: int = 400):
@@ -497,7 +530,8 @@ def test_many_flows_through_one_shard_share_what_the_idle_refills():
 @pytest.mark.parametrize("strategy,settings", STRATEGIES)
 @pytest.mark.parametrize("workers", [2, 4, 64])
 def test_a_burst_never_lowers_predicted_throughput(strategy, settings, workers):
-    cal = calibration(compute_spread=0.1)
+    # Left aside: the CPU the exchanges a burst lets through cost the shared cores (their own test).
+    cal = calibration(compute_spread=0.1, paced_cpu_s_per_byte=0.0)
     for rate in (12.5e6, RATE_1GBIT):
         without = predict(cal, strategy, settings, workers, rate, cores=2.0).samples_per_s
         with_burst = predict(cal, strategy, settings, workers, rate, cores=2.0, link_burst=rate / 100).samples_per_s

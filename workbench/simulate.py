@@ -112,6 +112,17 @@ class Calibration:
     straggler, a cgroup counting all of them). Measured on the lab's host at half a core: the nanny 0.013
     of a core, the worker process 0.028 with no run; under training the cgroup used its whole 0.50. On
     shared cores the calibration run's compute holds it already."""
+    paced_cpu_s_per_byte: float = 0.5e-9
+    """CPU seconds per byte of a parameter-server exchange (push and reply) that a link paces, at each end,
+    beyond `moving_cpu_s`: each end's event loop wakes for every socket buffer's worth of bytes instead of
+    a few times a message, and the kernel shapes and acknowledges packet by packet. Taken in full on a
+    link far slower than a core's copies, in proportion to how much slower (`paced_share`), none on a
+    faster one. Measured per thread on the lab, 1 Gbit/s against unlimited (`async` p4; there the share
+    is 0.84): a remote worker's event loop +4.5 ms per exchange of 14.9 MB at 2 workers and +7 ms at 4
+    (0.30 and 0.47 ns/byte), the shard holder's +3.0-3.4 ms per remote push (0.20-0.23), the machine's
+    softirq +0.02-0.05 cores at 128-174 MB/s of such traffic (0.16-0.30, split between the two ends):
+    about 0.5 at a worker's end and 0.33 at the holder's, 0.6 and 0.4 in full. Gloo's collectives
+    (`allreduce`, `average`) run in C++ and pay none of it."""
     link_efficiency: float = 1448 / 1514
     """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
     1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
@@ -128,6 +139,11 @@ class Calibration:
         if not quota:
             return payload / (self.host_rate * speed)
         return payload / self.host_rate + self.moving_cpu_s(payload, quota=True) * (1 / speed - 1)
+
+    def paced_share(self, link: float) -> float:
+        """How far a link of `link` bytes/s paces an exchange rather than the copies (0: not at all, the
+        link at least a core's copy rate; 1: a link far slower)."""
+        return max(0.0, 1.0 - link / self.host_rate)
 
     def moving_cpu_s(self, payload: float, quota: bool = False) -> float:
         """CPU seconds (at speed 1) moving `payload` bytes through an exchange costs the cores (the kernel's
@@ -594,8 +610,10 @@ class _Model:
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
             group.clocked = round_trip >= compute or not values["overlap"]
-            group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved)
-            group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True)
+            # Counted as the process's own (under a quota too): most of it is its event loop.
+            paced = c.paced_share(self.link) * c.paced_cpu_s_per_byte * (push + reply) * remote
+            group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved) + paced
+            group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True) + paced
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): n - 1 request/reply flows, each one's push and reply
         # taking turns with the others' on that link (`_shared_link_cycle`).
@@ -612,9 +630,10 @@ class _Model:
         for group in self.classes:
             group.exposed = group.cycle - group.steps * (c.compute_s + c.step_overhead_s) / group.speed
         self._bound_and_staleness(pushes_per_fetch)
-        self.server_load = sum(g.count / g.cycle for g in self.classes) * service
-        self.server_load_quota = sum(g.count / g.cycle for g in self.classes) * service_quota
         arriving = sum(g.count / g.cycle for g in self.classes if not g.holds_shard or shards > 1)
+        paced = arriving * c.paced_share(self.link) * c.paced_cpu_s_per_byte * (push + reply) / shards
+        self.server_load = sum(g.count / g.cycle for g in self.classes) * service + paced
+        self.server_load_quota = sum(g.count / g.cycle for g in self.classes) * service_quota + paced
         self.remote_turns = arriving * c.server_turns * c.moving_cpu_s(push + reply) / shards
 
     def _bound_and_staleness(self, pushes_per_fetch: int) -> None:
