@@ -219,7 +219,7 @@ def test_a_shard_holder_gives_its_training_thread_turns_to_the_pushes_that_cross
 
 
 def test_a_paced_link_costs_each_exchange_cpu_at_both_ends():
-    cal = calibration()
+    cal, unpaced = calibration(), calibration(paced_cpu_s_per_byte=0.0)
     assert cal.paced_share(math.inf) == 0.0 and cal.paced_share(2 * cal.host_rate) == 0.0
     assert cal.paced_share(RATE_1GBIT) == pytest.approx(1 - RATE_1GBIT / cal.host_rate)
     # Hosts of 0.3 cores each, 1 Gbit/s: the remote worker's compute outlasts its round trip, so its
@@ -228,25 +228,21 @@ def test_a_paced_link_costs_each_exchange_cpu_at_both_ends():
     paced = cal.paced_share(link) * cal.paced_cpu_s_per_byte * 2 * MODEL_BYTES
     cap = 0.3 - cal.host_background_cores
     cycle_cpu = 4 * cal.compute_s + cal.moving_cpu_s(MODEL_BYTES)
-    got = predict(cal, "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3).per_worker_samples_per_s[1]
-    assert got == pytest.approx(4 * 128 * cap / (cycle_cpu + paced), rel=1e-6)
-    unpaced = predict(calibration(paced_cpu_s_per_byte=0.0), "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3)
-    assert unpaced.per_worker_samples_per_s[1] == pytest.approx(4 * 128 * cap / cycle_cpu, rel=1e-6)
+    for c, expected in ((cal, 4 * 128 * cap / (cycle_cpu + paced)), (unpaced, 4 * 128 * cap / cycle_cpu)):
+        got = predict(c, "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3).per_worker_samples_per_s[1]
+        assert got == pytest.approx(expected, rel=1e-6)
     # The holder serves the paced pushes of three remote workers, on the lab's shared cores: it computes
     # slower, and the remote workers, whose cycle the holder's link sets, gain nothing from it.
-    lab, lab_unpaced = (predict(c, "async", {"push_every": 4}, 4, RATE_1GBIT, cores=2)
-                        for c in (cal, calibration(paced_cpu_s_per_byte=0.0)))
+    lab, lab_unpaced = (predict(c, "async", {"push_every": 4}, 4, RATE_1GBIT, cores=2) for c in (cal, unpaced))
     assert lab.per_worker_samples_per_s[0] < 0.9 * lab_unpaced.per_worker_samples_per_s[0]
     assert lab.per_worker_samples_per_s[1] <= lab_unpaced.per_worker_samples_per_s[1]
     assert lab.samples_per_s < 0.95 * lab_unpaced.samples_per_s
     # None on an unlimited link, nor for gloo's collectives.
     for strategy, settings in STRATEGIES:
-        unlimited = [predict(c, strategy, settings, 4, None, cores=2).samples_per_s
-                     for c in (cal, calibration(paced_cpu_s_per_byte=0.0))]
-        assert unlimited[0] == unlimited[1]
-        if strategy in ("allreduce", "average"):
-            assert (predict(cal, strategy, settings, 4, RATE_1GBIT, cores=2).samples_per_s
-                    == predict(calibration(paced_cpu_s_per_byte=0.0), strategy, settings, 4, RATE_1GBIT, cores=2).samples_per_s)
+        rates = (None, RATE_1GBIT) if strategy in ("allreduce", "average") else (None,)
+        for rate in rates:
+            both = [predict(c, strategy, settings, 4, rate, cores=2).samples_per_s for c in (cal, unpaced)]
+            assert both[0] == both[1]
 
 
 def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, steps: int = 400):
