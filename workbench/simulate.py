@@ -120,7 +120,7 @@ class Calibration:
     faster one. Measured per thread on the lab, 1 Gbit/s against unlimited (`async` p4; there the share
     is 0.84): a remote worker's event loop +4.5 ms per exchange of 14.9 MB at 2 workers and +7 ms at 4
     (0.30 and 0.47 ns/byte), the shard holder's +3.0-3.4 ms per remote push (0.20-0.23), the machine's
-    softirq +0.02-0.05 cores at 128-174 MB/s of such traffic (0.16-0.30, split between the two ends):
+    softirq +0.02-0.06 cores at 128-174 MB/s of such traffic (0.16-0.30, split between the two ends):
     about 0.5 at a worker's end and 0.33 at the holder's, 0.6 and 0.4 in full. Gloo's collectives
     (`allreduce`, `average`) run in C++ and pay none of it."""
     link_efficiency: float = 1448 / 1514
