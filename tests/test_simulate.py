@@ -226,11 +226,18 @@ def test_a_paced_link_costs_each_exchange_cpu_at_both_ends():
     # CPU per cycle (four steps, the exchange's copies, the paced bytes' share) fills its cap.
     link = RATE_1GBIT * cal.link_efficiency
     paced = cal.paced_share(link) * cal.paced_cpu_s_per_byte * 2 * MODEL_BYTES
+    assert cal.paced_cpu_s(2 * MODEL_BYTES, link) == pytest.approx(paced)
     cap = 0.3 - cal.host_background_cores
     cycle_cpu = 4 * cal.compute_s + cal.moving_cpu_s(MODEL_BYTES)
     for c, expected in ((cal, 4 * 128 * cap / (cycle_cpu + paced)), (unpaced, 4 * 128 * cap / cycle_cpu)):
-        got = predict(c, "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3).per_worker_samples_per_s[1]
+        holder, got = predict(c, "async", {"push_every": 4}, 2, RATE_1GBIT, host_cores=0.3).per_worker_samples_per_s
         assert got == pytest.approx(expected, rel=1e-6)
+        # The holder's cap holds its four steps and its own push's copies, every push's service (its own
+        # and the remote one's copies), and the remote push's paced bytes: its speed s solves
+        # s (4c + 2m) / 4c + pushes (m + paced) = cap, pushes the remote worker's per second.
+        m, step, remote_pushes = c.moving_cpu_s(MODEL_BYTES), c.compute_s, got / (4 * 128)
+        speed = (cap - remote_pushes * (m + c.paced_cpu_s(2 * MODEL_BYTES, link))) * 4 * step / (4 * step + 2 * m)
+        assert holder == pytest.approx(4 * 128 * speed / (4 * step), rel=1e-6)
     # The holder serves the paced pushes of three remote workers, on the lab's shared cores: it computes
     # slower, and the remote workers, whose cycle the holder's link sets, gain nothing from it.
     lab, lab_unpaced = (predict(c, "async", {"push_every": 4}, 4, RATE_1GBIT, cores=2) for c in (cal, unpaced))

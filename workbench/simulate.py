@@ -110,8 +110,10 @@ class Calibration:
     """CPU a worker host's Dask processes take beside the training (the nanny; the worker's event loop:
     heartbeats, metrics batches, the control's polls), which comes off a cap on the host (the lab's
     straggler, a cgroup counting all of them). Measured on the lab's host at half a core: the nanny 0.013
-    of a core, the worker process 0.028 with no run; under training the cgroup used its whole 0.50. On
-    shared cores the calibration run's compute holds it already."""
+    of a core, the worker process 0.028 with no run; under training the cgroup used its whole 0.50. Not
+    taken off shared cores: the lab's calibration run (2 of 4 hosts) left 0.12-0.135 cores idle, so its
+    compute does not hold it, and where the pool is full (4 workers on 2 cores) that leaves predictions a
+    few percent high; taken off there, two grids' 4-worker points fell 7-10% low (open)."""
     paced_cpu_s_per_byte: float = 0.5e-9
     """CPU seconds per byte of a parameter-server exchange (push and reply) that a link paces, at each end,
     beyond `moving_cpu_s`: each end's event loop wakes for every socket buffer's worth of bytes instead of
@@ -144,6 +146,11 @@ class Calibration:
         """How far a link of `link` bytes/s paces an exchange rather than the copies (0: not at all, the
         link at least a core's copy rate; 1: a link far slower)."""
         return max(0.0, 1.0 - link / self.host_rate)
+
+    def paced_cpu_s(self, payload: float, link: float) -> float:
+        """CPU seconds one end of a parameter-server exchange spends on `payload` bytes beyond their copies
+        because a link of `link` bytes/s paces them (`paced_cpu_s_per_byte`)."""
+        return self.paced_share(link) * self.paced_cpu_s_per_byte * payload
 
     def moving_cpu_s(self, payload: float, quota: bool = False) -> float:
         """CPU seconds (at speed 1) moving `payload` bytes through an exchange costs the cores (the kernel's
@@ -610,10 +617,10 @@ class _Model:
             group.steps = steps
             group.cycle = max(compute, round_trip) if values["overlap"] else compute + round_trip
             group.clocked = round_trip >= compute or not values["overlap"]
-            # Counted as the process's own (under a quota too): most of it is its event loop.
-            paced = c.paced_share(self.link) * c.paced_cpu_s_per_byte * (push + reply) * remote
-            group.work = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved) + paced
-            group.work_quota = steps * (c.compute_s + c.step_overhead_s) + c.moving_cpu_s(moved, quota=True) + paced
+            # The paced CPU counts as the process's own (under a quota too): most of it is its event loop.
+            own_work = steps * (c.compute_s + c.step_overhead_s) + c.paced_cpu_s((push + reply) * remote, self.link)
+            group.work = own_work + c.moving_cpu_s(moved)
+            group.work_quota = own_work + c.moving_cpu_s(moved, quota=True)
         # Each shard's host link carries every other worker's share of the traffic (a worker on that host
         # sends its share of it through no link): n - 1 request/reply flows, each one's push and reply
         # taking turns with the others' on that link (`_shared_link_cycle`).
@@ -630,10 +637,11 @@ class _Model:
         for group in self.classes:
             group.exposed = group.cycle - group.steps * (c.compute_s + c.step_overhead_s) / group.speed
         self._bound_and_staleness(pushes_per_fetch)
+        pushes = sum(g.count / g.cycle for g in self.classes)
         arriving = sum(g.count / g.cycle for g in self.classes if not g.holds_shard or shards > 1)
-        paced = arriving * c.paced_share(self.link) * c.paced_cpu_s_per_byte * (push + reply) / shards
-        self.server_load = sum(g.count / g.cycle for g in self.classes) * service + paced
-        self.server_load_quota = sum(g.count / g.cycle for g in self.classes) * service_quota + paced
+        paced = arriving * c.paced_cpu_s(push + reply, self.link) / shards
+        self.server_load = pushes * service + paced
+        self.server_load_quota = pushes * service_quota + paced
         self.remote_turns = arriving * c.server_turns * c.moving_cpu_s(push + reply) / shards
 
     def _bound_and_staleness(self, pushes_per_fetch: int) -> None:
