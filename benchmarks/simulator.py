@@ -118,6 +118,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="workbench-simulator-"))
     cells: list[dict[str, Any]] = []
     calibration_runs: dict[str, Any] = {}
+    crowding: list[dict[str, Any]] = []
     started = time.time()
     try:
         for size in hosts:
@@ -132,6 +133,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                     warm_up(bench, lab, arguments.warmup_lab_s)
                 for repeat in range(arguments.repeats):
                     measure_calibration_runs(bench, kept, lab, calibration_runs, repeat)
+                    crowding.append(measure_crowding(lab, scratch, arguments, repeat))
                     # Interleaved: every other repetition runs the conditions and configurations backwards.
                     forward = repeat % 2 == 0
                     for condition in conditions if forward else conditions[::-1]:
@@ -160,9 +162,11 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                          "straggler": f"the last worker host at "
                          f"{STRAGGLER_SHARE} core, unlimited link", "batch_per_worker": network.BATCH,
                          "model": "MLP 784-1024-1024-10", "quick": arguments.quick, "only": arguments.only,
-                         "calibration_runs": "2 worker hosts, unlimited link, once per repetition in every lab"},
+                         "calibration_runs": "2 worker hosts, unlimited link, once per repetition in every lab",
+                         "crowding_probes": f"{arguments.crowding_processes} plain training processes side by "
+                         f"side, {arguments.crowding_window_s:g} s, once per repetition in every lab"},
             "measured_minutes": round((time.time() - started) / 60, 1),
-            "calibration_runs": calibration_runs, "cells": cells}
+            "calibration_runs": calibration_runs, "crowding_probes": [p for p in crowding if p], "cells": cells}
 
 
 def warm_up(bench: Any, lab: Any, seconds: float) -> None:
@@ -214,6 +218,46 @@ def measure_calibration_runs(bench: Any, kept: _Kept, lab: Any, runs: dict[str, 
                   f"{record['samples_per_s']:,.0f} samples/s, {len(kept.inside)} step records", flush=True)
     finally:
         bench.workers = None
+
+
+def measure_crowding(lab: Any, scratch: Path, arguments: argparse.Namespace, repeat: int) -> dict[str, Any] | None:
+    """A probe of the machine, no Dask in it: k plain training loops (one thread each) side by side over
+    one wall-clock window, for each k of `--crowding-processes`, their samples/s together. What k
+    processes on the cores do against one a core is `Calibration.crowding_loss`
+    (`simulate.crowding_loss_from`). They run on the lab's worker hosts in turn (the namespaces change
+    nothing for the CPU), beside the lab's idle Dask processes, as the cells do."""
+    totals, each = {}, {}
+    counts = [int(v) for v in arguments.crowding_processes.split(",")]
+    # Every other repetition backwards, so the machine's drift over a probe does not favour one count.
+    for k in counts if repeat % 2 == 0 else counts[::-1]:
+        # Far enough ahead for every process to start, import torch and build its model (2-4 s here).
+        start_at = time.time() + arguments.crowding_start_s
+        specs = [{"mode": "plain", "rank": rank, "start_at": start_at,
+                  "stop_at": start_at + arguments.crowding_window_s,
+                  "out": str(scratch / f"crowding-{lab.size - 1}-{repeat}-{k}-{rank}.json")} for rank in range(k)]
+        hosts = [1 + rank % (lab.size - 1) for rank in range(k)]
+        results = network.spawn_and_wait(lab, hosts, specs, f"crowding-{k}",
+                                         arguments.crowding_start_s + arguments.crowding_window_s + 60,
+                                         {"OMP_NUM_THREADS": "1"})
+        if any(r is None for r in results):
+            print(f"crowding probe with {k} processes failed: left out", flush=True)
+            return None
+        each[k] = [r["samples_per_s"] for r in results]
+        totals[k] = sum(each[k])
+    print(f"repeat {repeat + 1} crowding probe, {lab.size - 1} worker hosts: "
+          + ", ".join(f"{k} processes {t:,.0f}" for k, t in totals.items()) + " samples/s", flush=True)
+    return {"lab_workers": lab.size - 1, "repeat": repeat, "totals": totals, "per_process": each}
+
+
+def crowding_loss(document: dict[str, Any]) -> float | None:
+    """The `Calibration.crowding_loss` the grid's own probes read (None: it has none). The predictions
+    use the default, measured before the grid; these give a second set beside them."""
+    from workbench import simulate
+
+    probes = document.get("crowding_probes")
+    if not probes:
+        return None
+    return simulate.crowding_loss_from([p["totals"] for p in probes], document["machine"]["cores"])
 
 
 def calibration_run(document: dict[str, Any], name: str, lab_workers: int | None = None) -> dict[str, Any]:
@@ -277,22 +321,25 @@ def _plain_records(frame: Any) -> list[dict[str, Any]]:
 # --- predicting -----------------------------------------------------------------------------------------------
 
 
-def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool = True) -> dict[str, Any]:
+def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool = True,
+                   crowding: float | None = None) -> dict[str, Any]:
     """Calibrate from the document's calibration records, predict every measured point, and the errors.
     `per_lab`: each lab's points from the calibration runs measured in it (where the document has them);
-    otherwise every point from the 2-host lab's."""
+    otherwise every point from the 2-host lab's. `crowding`: `Calibration.crowding_loss` (None: its
+    default, measured before the grid)."""
     from workbench import simulate
     from workbench.lab import burst_bytes
 
     calibrations: dict[int | None, Any] = {}  # None: the smallest lab's
     runs: dict[int | None, dict[str, Any]] = {}
+    measured = {} if crowding is None else {"crowding_loss": crowding}
 
     def calibrated(lab_workers: int | None) -> Any:
         if lab_workers not in calibrations:
             runs[lab_workers] = calibration_run(document, calibrate_with, lab_workers if per_lab else None)
             calibrations[lab_workers] = simulate.calibrate(runs[lab_workers]["records"], model_bytes=MODEL_BYTES,
                                                            link_rate=None, workers=2,
-                                                           cores=document["machine"]["cores"])
+                                                           cores=document["machine"]["cores"], **measured)
         return calibrations[lab_workers]
 
     calibration = calibrated(None)
@@ -332,6 +379,8 @@ def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool 
                                + (f", repetition {run['repeat'] + 1} (median throughput)" if "repeat" in run else "")
                                + (", measured in each lab (its points predicted from its own)" if own else ""),
             "calibration": calibration.as_dict(),
+            "crowding_loss": {"value": calibration.crowding_loss,
+                              "from": "the default (measured before)" if crowding is None else "given"},
             "calibration_by_lab": ({str(k): c.as_dict() for k, c in sorted(calibrations.items(), key=lambda kc: kc[0] or 0)
                                     if k is not None} if own else None),
             "table": rows,
@@ -420,6 +469,11 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--max-window-s", type=float, default=24.0)
     parser.add_argument("--warmup-lab-s", type=float, default=60.0, help="seconds of unmeasured training "
                         "before the grid's first cell (0: none)")
+    parser.add_argument("--crowding-processes", default="2,3,4", help="the crowding probe's process counts, "
+                        "comma-separated; the first one a core (the reference)")
+    parser.add_argument("--crowding-window-s", type=float, default=6.0)
+    parser.add_argument("--crowding-start-s", type=float, default=6.0, help="seconds from spawning the probe's "
+                        "processes to its window (they train meanwhile)")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
@@ -453,6 +507,13 @@ def main() -> None:
         single = predict_points(document, arguments.calibrate_with, per_lab=False)
         document["from_2_host_calibration"] = {k: single[k] for k in (
             "max_throughput_error", "max_throughput_error_at", "median_throughput_error", "points_within_15pct")}
+    probed = crowding_loss(document)
+    if probed is not None:
+        # The same points with the crowding loss the grid's own probes read, beside the default's.
+        again = predict_points(document, arguments.calibrate_with, crowding=probed)
+        document["with_crowding_probes"] = {"crowding_loss": probed, **{k: again[k] for k in (
+            "max_throughput_error", "max_throughput_error_at", "median_throughput_error", "points_within_15pct",
+            "max_staleness_error")}}
     print_table(document)
     print("\n" + markdown_table(document))
     label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
@@ -464,6 +525,9 @@ def main() -> None:
         print(f"\nwritten to {path}")
     summary = {k: document[k] for k in ("max_throughput_error", "max_throughput_error_at", "median_throughput_error",
                                         "points_within_15pct", "max_staleness_error", "max_staleness_error_at")}
+    summary["crowding_loss"] = document["crowding_loss"]["value"]
+    if document.get("with_crowding_probes"):
+        summary["with_crowding_probes"] = document["with_crowding_probes"]
     if document.get("from_2_host_calibration"):
         summary["from_2_host_calibration"] = document["from_2_host_calibration"]
     print(json.dumps(network._rounded(summary)))

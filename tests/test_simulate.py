@@ -142,17 +142,19 @@ def test_ssp_first_waits_when_the_gap_exceeds_the_bound():
 @pytest.mark.parametrize("rate", [125e6, 12.5e6])
 def test_synchronous_workers_compute_in_lockstep_so_a_slow_link_leaves_their_compute_shared(rate):
     # 4 workers on 2 shared cores: every exchange releases them together, so they compute at half speed
-    # whatever the link, and the link's wait adds to that (the cores stay idle meanwhile).
+    # (less what four processes taking turns on two cores lose) whatever the link, and the link's wait
+    # adds to that (the cores stay idle meanwhile).
     cal = calibration()
+    speed = 0.5 * (1 - cal.crowding_loss * (1 - 2 / 4))
     payload = 2 * 3 / 4 * MODEL_BYTES
-    transfer = max(payload / (rate * cal.link_efficiency), payload / (cal.host_rate * 0.5))
+    transfer = max(payload / (rate * cal.link_efficiency), payload / (cal.host_rate * speed))
     average = predict(cal, "average", {"period": 16}, 4, rate, cores=2)
-    assert average.cpu_speed == pytest.approx(0.5, rel=1e-6)
-    assert average.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s / 0.5 + transfer), rel=1e-6)
+    assert average.cpu_speed == pytest.approx(speed, rel=1e-6)
+    assert average.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s / speed + transfer), rel=1e-6)
     # One bucket holding the whole model: the all-reduce starts when backward ends.
     allreduce = predict(cal, "allreduce", {"bucket_mb": 64}, 4, rate, cores=2)
-    assert allreduce.cpu_speed == pytest.approx(0.5, rel=1e-6)
-    assert allreduce.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / 0.5 + transfer), rel=1e-6)
+    assert allreduce.cpu_speed == pytest.approx(speed, rel=1e-6)
+    assert allreduce.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / speed + transfer), rel=1e-6)
     # With a core each (dedicated hosts), the same link leaves their compute at full speed.
     alone = predict(cal, "average", {"period": 16}, 4, rate)
     assert alone.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s + transfer), rel=1e-6)
@@ -160,21 +162,58 @@ def test_synchronous_workers_compute_in_lockstep_so_a_slow_link_leaves_their_com
 
 def test_a_copy_bound_exchange_keeps_its_cpu_in_the_demand():
     # An unlimited link: the exchange is the copies, CPU work like the compute, so shared cores still
-    # share it (4 workers on 2 cores: half speed for both), as before the lockstep rule.
-    cal = calibration()
+    # share it (4 workers on 2 cores: half speed for both, here with nothing lost to crowding), as before
+    # the lockstep rule.
+    cal = calibration(crowding_loss=0.0)
     got = predict(cal, "average", {"period": 1}, 4, None, cores=2)
     copies = 2 * 3 / 4 * MODEL_BYTES / cal.host_rate
     assert got.cpu_speed == pytest.approx(0.5, rel=1e-6)
     assert got.samples_per_s == pytest.approx(4 * 128 / ((cal.compute_s + copies) / 0.5), rel=1e-6)
 
 
-def test_shared_cores_slow_compute_by_processes_per_core():
-    # On the lab every host shares the machine: 4 workers on 2 cores compute at half speed.
-    cal = calibration()
+@pytest.mark.parametrize("loss", [0.0, 0.06, 0.12])
+def test_shared_cores_slow_compute_by_processes_per_core_and_what_crowding_loses(loss):
+    # On the lab every host shares the machine: 4 workers on 2 cores compute at half speed, less what
+    # four processes taking turns on two cores lose: two cores do 2 * (1 - loss * (1 - 2/4)) cores' work.
+    cal = calibration(crowding_loss=loss)
     alone = predict(cal, "average", {"period": 10_000}, 4, None)
     shared = predict(cal, "average", {"period": 10_000}, 4, None, cores=2)
-    assert shared.cpu_speed == pytest.approx(0.5, rel=0.01)
-    assert shared.samples_per_s == pytest.approx(alone.samples_per_s / 2, rel=0.01)
+    assert shared.cpu_speed == pytest.approx(0.5 * (1 - loss / 2), rel=0.01)
+    assert shared.samples_per_s == pytest.approx(alone.samples_per_s / 2 * (1 - loss / 2), rel=0.01)
+    # Three on two: a third of the limit's loss. One process a core or fewer, or hosts with cores of
+    # their own, lose nothing.
+    three = predict(cal, "average", {"period": 10_000}, 3, None, cores=2)
+    assert three.cpu_speed == pytest.approx(2 / 3 * (1 - loss / 3), rel=0.01)
+    two = predict(cal, "average", {"period": 10_000}, 2, None, cores=2)
+    assert two.samples_per_s == pytest.approx(predict(calibration(crowding_loss=0.0), "average", {"period": 10_000},
+                                                      2, None, cores=2).samples_per_s, rel=1e-9)
+    assert alone.cpu_speed == 1.0
+    # A straggler capped at about half a core (less its Dask processes' share) takes turns that share of
+    # the time: 3 + cap processes crowd the two cores, and the other three share what it leaves.
+    cap = 0.5 - cal.host_background_cores
+    capped = predict(cal, "async", {"push_every": 10_000}, 4, None, straggler=0.5, cores=2)
+    assert max(capped.per_worker_samples_per_s) == pytest.approx(
+        128 / cal.compute_s * (2 * (1 - loss * (1 - 2 / (3 + cap))) - cap) / 3, rel=0.01)
+
+
+def test_crowding_loss_is_read_from_plain_processes_side_by_side():
+    # Probes made from a known loss (each at its own machine speed) give it back; noise averages out.
+    def probe(loss, speed, noise=(0.0, 0.0)):
+        return {2: 2 * speed, 3: 2 * speed * (1 - loss / 3) * (1 + noise[0]), 4: 2 * speed * (1 - loss / 2) * (1 + noise[1])}
+
+    assert simulate.crowding_loss_from([probe(0.12, 8000), probe(0.12, 6000)], 2) == pytest.approx(0.12)
+    noisy = [probe(0.12, 8000, (0.03, -0.02)), probe(0.12, 7000, (-0.03, 0.02)), probe(0.12, 7500, (0.01, 0.0))]
+    assert simulate.crowding_loss_from(noisy, 2) == pytest.approx(0.12, abs=0.03)
+    # One probe whose window caught the machine speeding up does not move the median.
+    jumped = {2: 14000.0, 3: 14000.0, 4: 16000.0}
+    assert simulate.crowding_loss_from([probe(0.12, 8000), probe(0.12, 7000), jumped], 2) == pytest.approx(0.12)
+    # Keys as a JSON file has them; more processes doing more than one a core is no loss (not a gain).
+    assert simulate.crowding_loss_from([{"2": 100.0, "4": 90.0}], 2) == pytest.approx(0.2)
+    assert simulate.crowding_loss_from([{2: 100.0, 4: 120.0}], 2) == 0.0
+    with pytest.raises(ValueError, match="no run of 2 processes"):
+        simulate.crowding_loss_from([{3: 100.0, 4: 90.0}], 2)
+    with pytest.raises(ValueError, match="no run of more processes"):
+        simulate.crowding_loss_from([{2: 100.0}], 2)
 
 
 def test_a_straggler_sets_a_synchronous_pace_but_not_an_asynchronous_one():

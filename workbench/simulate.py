@@ -33,9 +33,11 @@ holds all its threads, the shard's actor and the copies included, and its Dask p
 Calibration undoes the same sharing: on shared cores the calibration run's backward shared each
 worker's core with the all-reduce's copies, so its measured compute holds some copying.
 
+More processes than cores also lose some of the pool's work to taking turns (caches refilled after
+every switch: `Calibration.crowding_loss`, measured with plain processes side by side).
+
 What it leaves out: start-up, convergence (staler or rarer exchanges may need more steps to the same
-accuracy), compression's CPU cost, per-message latency beyond `latency_s`, and what more processes than
-cores cost beyond sharing them (context switches, caches).
+accuracy), compression's CPU cost and per-message latency beyond `latency_s`.
 
 Staleness (versions a push did not see) follows from the push rates: between a worker's fetch and its
 next push every other worker pushes at its own rate, so with equal workers it is N-1 per push (and the
@@ -125,6 +127,18 @@ class Calibration:
     softirq +0.02-0.06 cores at 128-174 MB/s of such traffic (0.16-0.30, split between the two ends):
     about 0.5 at a worker's end and 0.33 at the holder's, 0.6 and 0.4 in full. Gloo's collectives
     (`allreduce`, `average`) run in C++ and pay none of it."""
+    crowding_loss: float = 0.12
+    """Of the work a pool of shared cores does, the share its processes lose once more of them want the
+    CPU at once than there are cores (each switch leaves the next process caches to refill): k processes
+    on c cores do c * (1 - crowding_loss * (1 - c / k)) cores' worth, nothing lost up to one a core
+    (`crowded_cores`). Measured on the lab's VM, 2026-11-26, with k plain training loops side by side
+    (MLP 784-1024-1024-10, one thread each, 5-8 s windows) against two: three did 0.95-0.96 of two's
+    samples/s and four 0.91-0.95 (3 probes, nothing else running), and through the lab's hosts three
+    0.89-1.03, four 0.88-1.16 (5 probes: the machine's speed moves 10% within seconds); each probe's
+    fit (`crowding_loss_from`) 0.09-0.28 but for two such jumps, their median 0.13. Before this term the
+    model read the lab's 4-worker points a median 4% high over eleven grids (2 workers: 0%).
+    `benchmarks/simulator.py` probes it in every lab. Hosts with cores of their own (`cores=None`)
+    lose none."""
     link_efficiency: float = 1448 / 1514
     """Goodput as a fraction of a shaped link's nominal rate: a shaper counts whole Ethernet frames, and a
     1500-byte frame carries 1448 bytes of TCP payload (with timestamps) in its 1514 bytes."""
@@ -132,6 +146,10 @@ class Calibration:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def crowded(self, processes: float, cores: float) -> float:
+        """Cores' worth of work `cores` shared cores do for `processes` processes that want them at once."""
+        return crowded_cores(processes, cores, self.crowding_loss)
 
     def moving_s(self, payload: float, speed: float = 1.0, quota: bool = False) -> float:
         """Wall-clock seconds a process moving `payload` bytes through an exchange takes on an unlimited link
@@ -218,7 +236,8 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         timed = [r["exchange_s"] for r in syncs if r.get("exchange_s") is not None]
         exchange = statistics.fmean(timed) if timed and len(timed) == len(syncs) else sync_s
         sync_local = max(0.0, sync_s - exchange)
-        speed = 1.0 if cores is None else min(1.0, cores / n)  # every worker computes all the time
+        # Every worker computes all the time.
+        speed = 1.0 if cores is None else min(1.0, crowded_cores(n, cores, _crowding(known)) / n)
         # The process's CPU time where the records have it: a sync's beyond a local step's, less the sync's
         # own copies, is what the exchange cost the process's CPU (the rest of its time: the kernel's network
         # work, and waiting for the peer).
@@ -228,7 +247,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
     elif strategy == "allreduce":
         measured_compute = statistics.fmean(r["compute_s"] for r in records)
         measured_comm = statistics.fmean(r["comm_s"] for r in records)
-        share = 1.0 if cores is None else min(1.0, cores / n)
+        share = 1.0 if cores is None else min(1.0, crowded_cores(n, cores, _crowding(known)) / n)
         # Each worker had a core at most: once the first bucket is ready its copies and the rest of
         # backward share that core, so the measured compute holds that much copying (and that copy is
         # hidden). With spare cores the copies ran beside backward.
@@ -257,6 +276,39 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
               "sync_local_s": sync_local * speed, "exchange_cpu_rate": cpu_rate,
               "calibrated_from": f"{strategy}, {n} workers, {len(records)} step records"}
     return Calibration(**{**fields, **known})
+
+
+def _crowding(known: Mapping[str, Any]) -> float:
+    return known.get("crowding_loss", Calibration.__dataclass_fields__["crowding_loss"].default)
+
+
+def crowded_cores(processes: float, cores: float, loss: float) -> float:
+    """Cores' worth of work `cores` shared cores do when `processes` processes want them at once, each
+    losing `loss` of its work in the limit of many per core (`Calibration.crowding_loss`)."""
+    if processes <= cores:
+        return cores
+    return cores * (1 - loss * (1 - cores / processes))
+
+
+def crowding_loss_from(probes: Iterable[Mapping[int, float]], cores: float) -> float:
+    """`Calibration.crowding_loss` from probes of the machine: each maps a number k of plain training
+    processes run side by side over one window to their samples/s together, and holds k = `cores` (the
+    probe's reference: one process a core, nothing lost). Each probe's loss is a least-squares fit over
+    its k > `cores` against its own reference; the result is their median: the lab's machine changes
+    speed by 10% within seconds now and then (four processes once did 16% more than two just before),
+    and a median keeps such a window from moving the loss."""
+    losses = []
+    for probe in probes:
+        totals = {int(k): float(v) for k, v in probe.items()}
+        reference = totals.get(int(cores))
+        if not reference or reference <= 0:
+            raise ValueError(f"probe {totals} has no run of {cores:g} processes (one a core) to compare with")
+        pairs = [(1 - cores / k, 1 - total / reference) for k, total in totals.items() if k > cores]
+        if pairs:
+            losses.append(sum(x * y for x, y in pairs) / sum(x * x for x, _ in pairs))
+    if not losses:
+        raise ValueError(f"the probes hold no run of more processes than the {cores:g} cores")
+    return min(1.0, max(0.0, statistics.median(losses)))
 
 
 def _loop_overhead(records: list[Mapping[str, Any]], ranks: list[int]) -> float:
@@ -468,7 +520,7 @@ def _fit_speeds(model: _Model, cores: float | None) -> None:
             group.speed = min(limit, level)
             group.quota = quotas and limit < level
         model.evaluate()
-        return sum(model.demand(g) * g.count for g in groups) <= cores * (1 + 1e-9)
+        return sum(model.demand(g) * g.count for g in groups) <= model.c.crowded(crowd, cores) * (1 + 1e-9)
 
     for _ in range(8):
         limits = []
@@ -477,6 +529,9 @@ def _fit_speeds(model: _Model, cores: float | None) -> None:
             limits.append(_largest(lambda speed: fits_alone(group, speed)))
             group.speed = limits[-1]
         if cores is not None:
+            # The processes taking turns on the cores: a capped one (the straggler's quota) wants them
+            # for the share of the time its cap lets it run.
+            crowd = sum(group.count * min(1.0, limit) for group, limit in zip(groups, limits))
             level = _largest(lambda level: fits_together(level, limits))
             for group, limit in zip(groups, limits):
                 group.speed = min(limit, level)
