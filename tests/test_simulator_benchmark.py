@@ -57,3 +57,46 @@ def test_each_labs_points_are_predicted_from_its_own_calibration_run():
     assert {row["workers"]: row["predicted_samples_per_s"] for row in single["table"]}[3] == pytest.approx(expected(fast, 3))
     assert single["calibration_by_lab"] is None
     assert MODEL_BYTES == simulator.MODEL_BYTES
+
+
+def test_the_grid_predicts_with_the_default_crowding_and_reads_its_probes_beside_it():
+    simulator = load_benchmark("simulator")
+    run = _run(2, 9000.0)
+    # Probes as the JSON file holds them (string keys), each at its own machine speed: losses 0.2 and 0.3
+    # and one window whose machine sped up (no loss): the median is 0.2.
+    probes = [{"lab_workers": 2, "repeat": r, "totals": {"2": 2 * s, "3": 2 * s * (1 - loss / 3), "4": 2 * s * (1 - loss / 2)}}
+              for r, (s, loss) in enumerate([(8000, 0.2), (7000, 0.3), (7500, -0.1)])]
+    document = {"machine": {"cores": 2}, "calibration_runs": {"average p4": [run]}, "crowding_probes": probes,
+                "cells": [_cell(2, 12000.0), _cell(4, 12000.0)]}
+    assert simulator.crowding_loss(document) == pytest.approx(0.2)
+    assert simulator.crowding_loss({**document, "crowding_probes": []}) is None
+
+    def predicted(crowding):
+        result = simulator.predict_points(document, "average p4", crowding=crowding)
+        return result, {row["workers"]: row["predicted_samples_per_s"] for row in result["table"]}
+
+    default, by_default = predicted(None)
+    assert default["crowding_loss"] == {"value": simulate.Calibration.crowding_loss, "from": "the default (measured before)"}
+    probed, by_probes = predicted(0.2)
+    assert probed["crowding_loss"]["value"] == 0.2
+    # Two workers on two cores take no turns: the same prediction. Four lose more with the larger loss.
+    assert by_probes[2] == pytest.approx(by_default[2])
+    assert by_probes[4] < by_default[4] * 0.99
+    calibration = simulate.calibrate(run["records"], model_bytes=simulator.MODEL_BYTES, workers=2, cores=2,
+                                     crowding_loss=0.2)
+    assert by_probes[4] == pytest.approx(simulate.predict(calibration, "average", {"period": 16}, 4, None,
+                                                          cores=2).samples_per_s)
+
+
+def test_side_by_side_loops_count_the_steps_inside_one_wall_clock_window():
+    import time
+
+    network = load_benchmark("network")
+    # The window opens 3 s ahead: loading the data and the first steps (imports, allocations) come first.
+    start = time.time() + 3.0
+    result = network._plain_loop({"start_at": start, "stop_at": start + 1.0})
+    # Steps of a few tens of ms: the window holds many, and their rate is about what they did in it.
+    assert result["steps"] >= 5
+    assert result["samples_per_s"] == pytest.approx(result["steps"] * network.BATCH / 1.0, rel=0.3)
+    with pytest.raises(RuntimeError, match="started too late"):
+        network._plain_loop({"start_at": time.time() - 2.0, "stop_at": time.time() - 1.0})
