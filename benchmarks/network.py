@@ -160,7 +160,7 @@ def _plain_loop(spec: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     order = torch.randperm(len(data))
     n_batches = len(data) // BATCH
-    if "start_at" in spec:
+    if "barrier" in spec:
         return _side_by_side(spec, model, optimizer, data, order, n_batches)
     first = time.perf_counter()
     step, started, start_step = 0, None, 0
@@ -175,25 +175,54 @@ def _plain_loop(spec: dict[str, Any]) -> dict[str, Any]:
             return {"samples_per_s": (step - start_step) * BATCH / (now - started), "steps": step - start_step}
 
 
+SIDE_BY_SIDE_WARM_STEPS = 3  # steps before a process says it is ready: its first ones allocate and warm up
+
+
 def _side_by_side(spec: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any,
                   order: torch.Tensor, n_batches: int) -> dict[str, Any]:
-    """The plain loop over one wall-clock window shared with other such processes (`start_at` to
-    `stop_at`, epoch seconds): training until the window opens (while the others start), then counting
-    the steps that end inside it. Steps are short (20-80 ms), so the window's edges cost a step each."""
-    step, counted, first, last = 0, 0, None, None
+    """The plain loop over one wall-clock window shared with `processes` such processes: each trains a
+    few steps, writes `{barrier}-ready-{rank}` (its epoch seconds) and trains on until every process has
+    written one; the window opens 1 s after the last was ready and lasts `window_s`, the same for all,
+    and the steps that end inside it are counted. Steps are short (20-80 ms), so the window's edges cost
+    a step each. Waiting for the others rather than a fixed start: loading data and importing torch in
+    four processes on two cores took longer than 6 s on a loaded lab."""
+    ready = Path(f"{spec['barrier']}-ready-{spec['rank']}")
+    deadline = time.time() + spec["ready_timeout_s"]
+    step, counted, first, last, window = 0, 0, None, None, None
     while True:
         i = step % n_batches
         _train_step(model, optimizer, *data.batch(order[i * BATCH:(i + 1) * BATCH]))
         step += 1
         now = time.time()
-        if now >= spec["stop_at"]:
+        if window is None:
+            if step == SIDE_BY_SIDE_WARM_STEPS:
+                from workbench.rundir import atomic_write
+
+                # The others poll for it: atomic, never seen half written.
+                atomic_write(ready, lambda handle: handle.write(str(now).encode()))
+            if step >= SIDE_BY_SIDE_WARM_STEPS:
+                window = _window_once_ready(spec, now, deadline)
+            continue
+        if now >= window[1]:
             break
-        if now >= spec["start_at"]:
+        if now >= window[0]:
             first = now if first is None else first
             counted, last = counted + 1, now
     if first is None or counted < 2:
-        raise RuntimeError(f"the window {spec['start_at']}-{spec['stop_at']} saw {counted} steps: started too late")
+        raise RuntimeError(f"the window {window[0]:.3f}-{window[1]:.3f} saw {counted} steps")
     return {"samples_per_s": (counted - 1) * BATCH / (last - first), "steps": counted}
+
+
+def _window_once_ready(spec: dict[str, Any], now: float, deadline: float) -> tuple[float, float] | None:
+    """The shared window (start, stop) once every process wrote its ready file, else None."""
+    files = [Path(f"{spec['barrier']}-ready-{rank}") for rank in range(spec["processes"])]
+    if not all(f.exists() for f in files):
+        if now > deadline:
+            raise RuntimeError(f"{sum(f.exists() for f in files)} of {spec['processes']} processes were ready "
+                               f"after {spec['ready_timeout_s']} s")
+        return None
+    start = max(float(f.read_text()) for f in files) + 1.0
+    return start, start + spec["window_s"]
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,

@@ -230,14 +230,13 @@ def measure_crowding(lab: Any, scratch: Path, arguments: argparse.Namespace, rep
     counts = [int(v) for v in arguments.crowding_processes.split(",")]
     # Every other repetition backwards, so the machine's drift over a probe does not favour one count.
     for k in counts if repeat % 2 == 0 else counts[::-1]:
-        # Far enough ahead for every process to start, import torch and build its model (2-4 s here).
-        start_at = time.time() + arguments.crowding_start_s
-        specs = [{"mode": "plain", "rank": rank, "start_at": start_at,
-                  "stop_at": start_at + arguments.crowding_window_s,
-                  "out": str(scratch / f"crowding-{lab.size - 1}-{repeat}-{k}-{rank}.json")} for rank in range(k)]
+        barrier = scratch / f"crowding-{lab.size - 1}-{repeat}-{k}"
+        specs = [{"mode": "plain", "rank": rank, "processes": k, "barrier": str(barrier),
+                  "window_s": arguments.crowding_window_s, "ready_timeout_s": arguments.crowding_ready_timeout_s,
+                  "out": f"{barrier}-{rank}.json"} for rank in range(k)]
         hosts = [1 + rank % (lab.size - 1) for rank in range(k)]
         results = network.spawn_and_wait(lab, hosts, specs, f"crowding-{k}",
-                                         arguments.crowding_start_s + arguments.crowding_window_s + 60,
+                                         arguments.crowding_ready_timeout_s + arguments.crowding_window_s + 60,
                                          {"OMP_NUM_THREADS": "1"})
         if any(r is None for r in results):
             print(f"crowding probe with {k} processes failed: left out", flush=True)
@@ -472,8 +471,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--crowding-processes", default="2,3,4", help="the crowding probe's process counts, "
                         "comma-separated; the first one a core (the reference)")
     parser.add_argument("--crowding-window-s", type=float, default=6.0)
-    parser.add_argument("--crowding-start-s", type=float, default=6.0, help="seconds from spawning the probe's "
-                        "processes to its window (they train meanwhile)")
+    parser.add_argument("--crowding-ready-timeout-s", type=float, default=60.0, help="seconds the probe's "
+                        "processes have to start and train their first steps (the window opens 1 s after the last)")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)

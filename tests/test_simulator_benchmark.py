@@ -1,7 +1,10 @@
 """The simulator benchmark's calibration (`benchmarks/simulator.py`): each lab's points are predicted from
 the calibration run measured in that lab (the machine's speed drifts over a grid), the one of median
-throughput; documents from before hold runs of the 2-host lab only, or one run. Pure: synthetic records."""
+throughput; documents from before hold runs of the 2-host lab only, or one run. The crowding probe's loss
+and its side-by-side loops. Synthetic records, but for the loops (one real process, about 3 s)."""
 from __future__ import annotations
+
+import time
 
 import pytest
 from helpers import load_benchmark
@@ -88,15 +91,15 @@ def test_the_grid_predicts_with_the_default_crowding_and_reads_its_probes_beside
                                                           cores=2).samples_per_s)
 
 
-def test_side_by_side_loops_count_the_steps_inside_one_wall_clock_window():
-    import time
-
+def test_side_by_side_loops_count_the_steps_inside_one_window_opened_once_all_are_ready(tmp_path):
     network = load_benchmark("network")
-    # The window opens 3 s ahead: loading the data and the first steps (imports, allocations) come first.
-    start = time.time() + 3.0
-    result = network._plain_loop({"start_at": start, "stop_at": start + 1.0})
+    spec = {"rank": 0, "processes": 1, "barrier": str(tmp_path / "probe"), "window_s": 1.0, "ready_timeout_s": 30.0}
+    result = network._plain_loop(spec)
+    ready = float((tmp_path / "probe-ready-0").read_text())
     # Steps of a few tens of ms: the window holds many, and their rate is about what they did in it.
     assert result["steps"] >= 5
     assert result["samples_per_s"] == pytest.approx(result["steps"] * network.BATCH / 1.0, rel=0.3)
-    with pytest.raises(RuntimeError, match="started too late"):
-        network._plain_loop({"start_at": time.time() - 2.0, "stop_at": time.time() - 1.0})
+    assert time.time() >= ready + 2.0  # the window opened 1 s after ready and lasted 1 s
+    # A second process that never comes: the first says so once its time to wait is over.
+    with pytest.raises(RuntimeError, match="1 of 2 processes were ready after 0.5 s"):
+        network._plain_loop({**spec, "barrier": str(tmp_path / "lonely"), "processes": 2, "ready_timeout_s": 0.5})
