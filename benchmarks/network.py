@@ -186,6 +186,8 @@ def _side_by_side(spec: dict[str, Any], model: torch.nn.Module, optimizer: torch
     and the steps that end inside it are counted. Steps are short (20-80 ms), so the window's edges cost
     a step each. Waiting for the others rather than a fixed start: loading data and importing torch in
     four processes on two cores took longer than 6 s on a loaded lab."""
+    from workbench.rundir import atomic_write
+
     ready = Path(f"{spec['barrier']}-ready-{spec['rank']}")
     deadline = time.time() + spec["ready_timeout_s"]
     step, counted, first, last, window = 0, 0, None, None, None
@@ -196,8 +198,6 @@ def _side_by_side(spec: dict[str, Any], model: torch.nn.Module, optimizer: torch
         now = time.time()
         if window is None:
             if step == SIDE_BY_SIDE_WARM_STEPS:
-                from workbench.rundir import atomic_write
-
                 # The others poll for it: atomic, never seen half written.
                 atomic_write(ready, lambda handle: handle.write(str(now).encode()))
             if step >= SIDE_BY_SIDE_WARM_STEPS:

@@ -471,8 +471,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--crowding-processes", default="2,3,4", help="the crowding probe's process counts, "
                         "comma-separated; the first one a core (the reference)")
     parser.add_argument("--crowding-window-s", type=float, default=6.0)
-    parser.add_argument("--crowding-ready-timeout-s", type=float, default=60.0, help="seconds the probe's "
-                        "processes have to start and train their first steps (the window opens 1 s after the last)")
+    parser.add_argument("--crowding-ready-timeout-s", type=float, default=60.0, help="seconds each of the "
+                        "probe's processes, its data loaded, waits for all to be ready (the window opens 1 s after the last)")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
