@@ -14,6 +14,8 @@ async with top-k 1% compression both ways, and with dense replies) also report b
 per step and staleness.
 
     python benchmarks/throughput.py [--workers 2] [--repeats 3] [--steps 150] [--only async]
+
+On a GPU machine `--device cuda` measures a transformer in bf16 instead (benchmarks/throughput_cuda.py).
 """
 from __future__ import annotations
 
@@ -125,8 +127,14 @@ def measure_workbench(client, steps, workers, strategy, **settings):
     run = workbench.train(job, strategy, client=client, workers=workers, run_dir="/tmp/workbench-benchmark-runs",
                           **settings)
     run.wait(timeout=600)
+    return steady_rate(run, WARMUP_STEPS)
+
+
+def steady_rate(run, warmup_steps):
+    """Samples/s summed over the run's workers after `warmup_steps`, from the step records' own times,
+    and what the run's summary says of its traffic and staleness."""
     frame = run.metrics
-    steady = frame[frame["step"] >= WARMUP_STEPS - 1]  # the first steady record marks the start time
+    steady = frame[frame["step"] >= warmup_steps - 1]  # the first steady record marks the start time
     total = 0.0
     for _, rows in steady.groupby("worker"):
         span = rows["time"].max() - rows["time"].min()
@@ -145,7 +153,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150, help="timed steps per measurement (after warm-up)")
     parser.add_argument("--only", default=None, help="run only the workbench configurations whose name has this")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: a transformer in bf16 on the GPU (throughput_cuda.py), else the CPU MLP")
+    parser.add_argument("--out", default=None, help="(cuda) where to save the JSON result")
     arguments = parser.parse_args()
+    if arguments.device == "cuda":
+        import throughput_cuda
+
+        return throughput_cuda.main(arguments)
     n = arguments.workers
     configs = [("workbench 1 worker", 1, "allreduce", {}), (f"allreduce x{n}", n, "allreduce", {})]
     configs += [(f"average p{p} x{n}", n, "average", {"period": p}) for p in (1, 4, 16)]

@@ -58,12 +58,38 @@ def test_gpu_branch_starts_local_cuda_cluster_with_one_worker_per_gpu(monkeypatc
     monkeypatch.setattr(cluster_module, "dask_cuda_available", lambda: True)
     monkeypatch.setitem(sys.modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=FakeLocalCUDACluster))
     assert cluster_module.choose_kind("auto", None) == "cuda"
-    assert cluster_module.choose_kind("auto", 3) == "cpu"  # more workers than GPUs: CPU workers
-    with pytest.raises(ConfigError, match="^workers=3"):
-        cluster_module.choose_kind("cuda", 3)
+    assert cluster_module.choose_kind("auto", 3) == cluster_module.choose_kind("cuda", 3) == "cuda"  # shared
     with pytest.raises(RuntimeError, match="stand-in"):
         workbench.connect(workers=2)
     assert calls["n_workers"] == 2 and calls["threads_per_worker"] == 1 and calls["device_memory_limit"] == 0
+
+
+def test_gpu_placement_is_round_robin_with_each_workers_own_gpu_first():
+    assert cluster_module.gpu_placement(2, 2) == ["0,1", "1,0"]
+    assert cluster_module.gpu_placement(3, 1) == ["0", "0", "0"]
+    assert cluster_module.gpu_placement(5, 2) == ["0,1", "1,0", "0,1", "1,0", "0,1"]
+    assert cluster_module.placement_message(2, 2) is None
+    message = cluster_module.placement_message(5, 2)
+    assert message.startswith("5 workers on 2 GPUs: up to 3 workers share a GPU") and "gloo" in message
+
+
+def _visible_devices():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.timeout(120)
+def test_more_workers_than_gpus_start_a_shared_cluster_that_says_how_it_places_them(monkeypatch):
+    # A real local cluster (CPU processes here): what matters is each worker's CUDA_VISIBLE_DEVICES.
+    monkeypatch.setattr(cluster_module, "count_gpus", lambda: 2)
+    monkeypatch.setattr(cluster_module, "dask_cuda_available", lambda: True)
+    with pytest.warns(UserWarning, match="^3 workers on 2 GPUs: up to 2 workers share a GPU"):
+        client = workbench.connect(workers=3, dashboard_address=":0")
+    try:
+        assert isinstance(client.cluster, cluster_module.SharedGpuCluster)
+        seen = sorted(client.run(_visible_devices).values())
+        assert seen == ["0,1", "0,1", "1,0"]
+    finally:
+        workbench.shutdown(client)
 
 
 @pytest.mark.timeout(120)

@@ -129,3 +129,16 @@ def test_a_panel_of_an_unstarted_run_offers_only_start_and_refuses_a_too_fast_re
         assert sorted(panel.strategy_dropdown.options) == sorted([*workbench.STRATEGIES, "auto"])
     finally:
         panel.close()
+
+
+def test_the_worker_table_shows_gpu_memory_and_use_only_where_workers_report_them():
+    from widgets.control_panel import _worker_table
+
+    row = {"worker": 0, "state": "training", "step": 7, "samples_per_s": 1200.0, "last_seen_s": 0.2,
+           "address": "tcp://10.0.0.1:4000"}
+    cpu = _worker_table([row, {**row, "worker": 1}])
+    assert "GPU" not in cpu
+    gpu = _worker_table([{**row, "gpu_memory_mb": 2048.4, "gpu_utilization": 97.0},
+                         {**row, "worker": 1, "gpu_memory_mb": 1024.0}])
+    assert "<th>GPU memory (MB)</th><th>GPU use (%)</th>" in gpu
+    assert "<td>2,048</td><td>97</td>" in gpu and "<td>1,024</td><td></td>" in gpu

@@ -321,11 +321,18 @@ def _worker_table(rows: list[dict[str, Any]]) -> str:
     slowest = worker_spread.slowest_line(rows)
     rows, which = worker_spread.table_rows(rows)
     caption = f"<div><small>{html.escape(slowest)}<br>{html.escape(which)}</small></div>" if which else ""
-    header = "<tr><th>worker</th><th>state</th><th>step</th><th>samples/s</th><th>last seen</th><th>address</th></tr>"
+    # GPU columns only where a worker reports them (CUDA workers, NVML for the utilisation).
+    gpu = [(key, label) for key, label in GPU_COLUMNS if any(row.get(key) is not None for row in rows)]
+    header = ("<tr><th>worker</th><th>state</th><th>step</th><th>samples/s</th><th>last seen</th>"
+              + "".join(f"<th>{label}</th>" for _, label in gpu) + "<th>address</th></tr>")
     body = []
     for row in rows:
         seen = "" if row["last_seen_s"] is None else f"{row['last_seen_s']:.1f} s ago"
+        gauges = "".join(f"<td>{'' if row.get(key) is None else f'{row[key]:,.0f}'}</td>" for key, _ in gpu)
         body.append(f"<tr><td>{row['worker']}</td><td>{html.escape(row['state'])}</td>"
                     f"<td>{'' if row['step'] is None else row['step']}</td><td>{row['samples_per_s']:,.0f}</td>"
-                    f"<td>{seen}</td><td><code>{html.escape(row['address'] or '')}</code></td></tr>")
+                    f"<td>{seen}</td>{gauges}<td><code>{html.escape(row['address'] or '')}</code></td></tr>")
     return f"{caption}<table style='font-size:90%'>{header}{''.join(body)}</table>"
+
+
+GPU_COLUMNS = (("gpu_memory_mb", "GPU memory (MB)"), ("gpu_utilization", "GPU use (%)"))

@@ -2,8 +2,9 @@
 
 `connect()` is the one place that decides. With a scheduler address it connects there, failing within
 `timeout_s` with a clear message. Otherwise it starts a `dask_cuda.LocalCUDACluster` when dask-cuda
-imports and NVML reports at least one GPU, else a `distributed.LocalCluster` of single-threaded worker
-processes configured for training.
+imports and NVML reports at least one GPU (one worker per GPU, each seeing it as cuda:0; more workers
+than GPUs share them round robin, `SharedGpuCluster`, and are told that NCCL then gives way to gloo),
+else a `distributed.LocalCluster` of single-threaded worker processes configured for training.
 
 TLS: `connect(security=True)` starts a local cluster with throwaway self-signed certificates;
 `connect("tls://host:8786", security=security_from_files(ca, cert, key))` reaches a TLS scheduler.
@@ -19,6 +20,7 @@ import multiprocessing
 import os
 import ssl
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,18 +91,47 @@ def choose_kind(kind: str, workers: int | None) -> str:
     if kind == "cpu":
         return "cpu"
     gpus = count_gpus() if dask_cuda_available() else 0
-    if kind == "cuda":
-        if gpus == 0:
-            raise ConfigError("kind", kind, "'cuda' only where dask-cuda is installed and a GPU is visible",
-                              "Install the 'cuda' extra on a GPU machine, or use kind='cpu'")
-        if workers is not None and workers > gpus:
-            raise ConfigError("workers", workers, f"at most {gpus} (one worker per GPU)")
-        return "cuda"
-    if gpus and (workers is None or workers <= gpus):
-        return "cuda"
-    if gpus:
-        logger.info("%s workers asked for but %s GPUs visible: starting CPU workers", workers, gpus)
-    return "cpu"
+    if kind == "cuda" and gpus == 0:
+        raise ConfigError("kind", kind, "'cuda' only where dask-cuda is installed and a GPU is visible",
+                          "Install the 'cuda' extra on a GPU machine, or use kind='cpu'")
+    return "cuda" if gpus else "cpu"
+
+
+def gpu_placement(workers: int, gpus: int) -> list[str]:
+    """Each local worker's CUDA_VISIBLE_DEVICES over `gpus` GPUs, round robin: worker i's own GPU is
+    i mod gpus, listed first so that it is that worker's cuda:0 (as dask-cuda lists them)."""
+    return [",".join(str((i + k) % gpus) for k in range(gpus)) for i in range(workers)]
+
+
+def placement_message(workers: int, gpus: int) -> str | None:
+    """What a user is told when more workers than GPUs are asked for; None when each has a GPU of its own."""
+    if workers <= gpus:
+        return None
+    per_gpu = -(-workers // gpus)
+    return (f"{workers} workers on {gpus} GPU{'s' if gpus > 1 else ''}: up to {per_gpu} workers share a GPU "
+            f"(round robin). NCCL refuses two ranks on one GPU, so runs on these workers exchange through gloo "
+            f"(CUDA tensors over TCP) or use a parameter-server strategy (async, ssp, easgd); for NCCL start "
+            f"at most {gpus} worker{'s' if gpus > 1 else ''}")
+
+
+class SharedGpuCluster(LocalCluster):
+    """A local cluster of more workers than GPUs: each worker process sees every GPU, its own first
+    (dask-cuda's LocalCUDACluster names workers after their GPU and starts at most one per GPU)."""
+
+    def __init__(self, gpus: int, n_workers: int, **options: Any) -> None:
+        self._gpus = gpus
+        # LocalCluster builds its first workers without `new_worker_spec`: start none, then scale, as
+        # dask-cuda does, so that every worker gets its placement.
+        super().__init__(n_workers=0, **options)
+        self.scale(n_workers)
+        self.sync(self._correct_state)
+
+    def new_worker_spec(self) -> dict[Any, Any]:
+        ((name, spec),) = super().new_worker_spec().items()
+        index = name if isinstance(name, int) else len(self.worker_spec)
+        options = dict(spec.get("options", {}))
+        options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": gpu_placement(index + 1, self._gpus)[index]}
+        return {name: {**spec, "options": options}}
 
 
 def check_local_capacity(workers: int, threads_per_worker: int, cores: int, memory_bytes: int) -> None:
@@ -163,7 +194,7 @@ def connect(
     """A Dask client for training.
 
     scheduler: address of an existing scheduler (`tcp://host:8786`, `tls://...`); None starts one here.
-    workers: worker processes to start (default: one per GPU, else 2).
+    workers: worker processes to start (default: one per GPU, else 2; more than the GPUs share them).
     kind: 'auto', 'cpu' or 'cuda' for a cluster started here.
     security: a `distributed.Security` (see `security_from_files`), passed through untouched; for a
     cluster started here also True: TLS with temporary self-signed certificates (needs `cryptography`).
@@ -192,12 +223,21 @@ def connect(
     if security is True:
         security = _temporary_security()  # made here, so a missing `cryptography` is a ConfigError
     with dask.config.set(TRAINING_CONFIG), _no_process_left_if_interrupted():
-        if chosen == "cuda":
+        gpus = count_gpus() if chosen == "cuda" else 0
+        if chosen == "cuda" and (workers or gpus) <= gpus:
             from dask_cuda import LocalCUDACluster
 
             local = LocalCUDACluster(
                 n_workers=workers, threads_per_worker=threads_per_worker, dashboard_address=dashboard_address,
                 security=security, device_memory_limit=0, **cluster_options,
+            )
+        elif chosen == "cuda":
+            message = placement_message(workers, gpus)
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
+            local = SharedGpuCluster(
+                gpus, n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
+                dashboard_address=dashboard_address, security=security, **cluster_options,
             )
         else:
             local = LocalCluster(

@@ -30,9 +30,40 @@ def find_free_port(host: str = "") -> int:
         return probe.getsockname()[1]
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, shares_a_gpu: bool = False) -> str:
     # On GPUs, NCCL carries CUDA tensors; the small control messages stay on the CPU and go through gloo.
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): ranks sharing one use gloo for CUDA
+    # tensors too (its all-reduce and broadcast take them, staged through the host).
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:gloo" if shares_a_gpu else "cpu:gloo,cuda:nccl"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """This rank's GPU, the same string on every rank that uses it: its UUID (with the host, in case a
+    platform reports none)."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        uuid = f"index-{device.index or 0}"
+    return f"{socket.gethostname()}/{uuid}"
+
+
+def shares_a_gpu(identities: Sequence[str]) -> bool:
+    """Whether any two ranks hold the same GPU (`gpu_identity` of each)."""
+    return len(set(identities)) < len(identities)
+
+
+def _gpus_shared(store: Any, rank: int, world_size: int, device: torch.device) -> bool:
+    """Every rank says which GPU it holds through the group's store, before the group forms."""
+    if device.type != "cuda":
+        return False
+    store.set(f"workbench-gpu-{rank}", gpu_identity(device))
+    identities = [store.get(f"workbench-gpu-{other}").decode() for other in range(world_size)]
+    shared = shares_a_gpu(identities)
+    if shared:
+        logger.info("ranks share a GPU (%s): CUDA tensors go through gloo, not NCCL", identities)
+    return shared
 
 
 def init_process_group(host: str, port: int, rank: int, world_size: int, device: torch.device,
@@ -68,7 +99,8 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
             ) from error
         check_reachable(store, rank, world_size, advertised_address(), min(timeout_s, PROBE_TIMEOUT_S),
                         bound_here="GLOO_SOCKET_IFNAME" in bound)
-        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world_size,
+        backend = backend_for(device, _gpus_shared(store, rank, world_size, device))
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter

@@ -25,6 +25,7 @@ LOSSES: dict[str, Callable[..., torch.Tensor]] = {
 }
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("float32", "bf16")
 
 
 @dataclasses.dataclass
@@ -57,6 +58,8 @@ class Job:
     """Steps between held-out evaluations on worker 0; None evaluates at the end of every epoch."""
     device: str = "auto"
     """'cpu', 'cuda', or 'auto' (CUDA where the worker has a GPU)."""
+    precision: str = "float32"
+    """'float32', or 'bf16': forward pass and loss under bfloat16 autocast (weights, gradients, optimizer float32)."""
 
     def prepare(self) -> PreparedJob:
         """Validate every field on the client; return the normalised job or raise `ConfigError`."""
@@ -116,6 +119,9 @@ class Job:
             check_number("eval_every", self.eval_every, minimum=1, integer=True)
         if self.device not in DEVICES:
             raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", self.precision, f"one of {list(PRECISIONS)}",
+                              "bf16 autocasts the forward pass; weights and the optimizer stay float32")
         check_data("data", train, sample_model, self.loss, loss_function(self), self.batch_size)
         if evaluation is not None:
             check_data("eval_data", evaluation, sample_model, self.loss, loss_function(self), self.batch_size)
@@ -161,6 +167,12 @@ def make_optimizer(job: Job, parameters) -> torch.optim.Optimizer:
     if job.optimizer == "adam":
         return torch.optim.Adam(parameters, lr=job.lr)
     return torch.optim.AdamW(parameters, lr=job.lr)
+
+
+def autocast(job: Job, device: torch.device) -> Any:
+    """The forward pass's precision context: bfloat16 autocast for precision='bf16', else none. bf16 has
+    float32's range, so no loss scaling is needed (fp16 would need a GradScaler)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=getattr(job, "precision", "float32") == "bf16")
 
 
 def loss_function(job: Job) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -45,6 +45,7 @@ from .run_views import RunViews
 from .rundir import CONFIG_FILE, RunDirectory, atomic_write, read_metrics
 from .strategies import get_strategy, make_settings
 from .supervisor import Supervisor
+from .worker_host import describe_device
 
 MAX_SAVED_JOB_BYTES = 64 * 2**20  # a job (with its data) larger than this is not saved for resume()
 
@@ -275,6 +276,7 @@ class Run(RunViews):
         self.directory = RunDirectory(Path(self._run_root) / self.run_id)
         if resumed:  # the earlier history first, so that views of this run show all of it
             self.table.add(read_metrics(self.directory.path))
+        described = client.run(describe_device, prepared.job.device, workers=addresses)
         self.config = {
             "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
             "job": prepared.job.describe(), "workers": addresses, "world_size": len(addresses),
@@ -286,6 +288,8 @@ class Run(RunViews):
                                 "auto_join": self.auto_join},
             "queued_s": round(time.time() - self._requested_at, 3),  # waiting for free workers
             "auto": self.auto_pilot is not None,
+            # What each worker trains on, by rank (the GPU's name as CUDA reports it).
+            "devices": [described.get(address) for address in addresses],
         }
         if resumed:
             self.config["resumed_from_step"] = self._resume_from["step"]

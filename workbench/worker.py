@@ -29,7 +29,7 @@ from .control import ControlPoller
 from .data import DataSource, Shard, concatenate_blocks
 from .errors import DivergenceError
 from .evaluation import evaluate
-from .job import Job, loss_function
+from .job import Job, autocast, loss_function
 from .metrics import MetricsSender, topic
 from .strategies import StrategySettings, TrainingContext, get_strategy
 from .worker_checkpoint import LoopCheckpoints
@@ -263,7 +263,8 @@ class _Loop:
         inputs, targets = shard.data.batch(indices)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         context.optimizer.zero_grad(set_to_none=not self.strategy.keeps_gradient_buffers)
-        loss = loss_fn(context.model(inputs), targets)
+        with autocast(self.task.job, device):
+            loss = loss_fn(context.model(inputs), targets)
         loss.backward()
         report = self.strategy.after_backward(context)
         context.optimizer.step()

@@ -16,6 +16,7 @@ import torch
 
 from . import kinds
 from .averaging import flatten
+from .device_staging import to_host
 from .checkpoint import all_finite, leave_snapshot, wait_fetched
 from .errors import DivergenceError
 from .strategies.base import Carried, TrainingContext
@@ -52,7 +53,9 @@ class LoopCheckpoints:
         context, strategy = loop.context, loop.strategy
         together = final or strategy.uses_process_group
         carried, strategy_state = strategy.checkpoint_state(context, together)
-        own = {"step": loop.step, "rng": torch.get_rng_state(), "strategy": strategy.rank_state()}
+        own = {"step": loop.step, "rng": torch.get_rng_state(), "strategy": to_host(strategy.rank_state())}
+        if context.device.type == "cuda":  # dropout and other random layers on the GPU draw from its own generator
+            own["cuda_rng"] = torch.cuda.get_rng_state(context.device)
         # Alone (rank 0 of a parameter-server run), the other ranks' own states are not in it: a resumed
         # run then starts every rank at rank 0's step.
         ranks = loop.comm.all_gather_objects(own) if together else None
@@ -72,7 +75,7 @@ class LoopCheckpoints:
             "step": min(part["step"] for part in ranks) if ranks else loop.step, "weights": weights,
             "optimizer": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in carried.optimizer_state.items()},
             "strategy": strategy.name, "settings": dataclasses.asdict(strategy.settings),
-            "lr": context.optimizer.param_groups[0]["lr"], "strategy_state": strategy_state, "ranks": ranks,
+            "lr": context.optimizer.param_groups[0]["lr"], "strategy_state": to_host(strategy_state), "ranks": ranks,
             "world_size": task.world_size, "generation": task.generation, "time": time.time(),
             "steps_per_epoch": task.shard_samples // task.job.batch_size,
             "final": final,
@@ -102,3 +105,5 @@ class LoopCheckpoints:
         loop.strategy.restore(checkpoint.get("strategy_state") or {}, own and own.get("strategy"))
         if own is not None:
             torch.set_rng_state(own["rng"])
+            if context.device.type == "cuda" and own.get("cuda_rng") is not None:
+                torch.cuda.set_rng_state(own["cuda_rng"], context.device)

@@ -3,6 +3,8 @@ profiler, and GPU gauges for the step records. Nothing here knows about runs or 
 from __future__ import annotations
 
 import ctypes
+import os
+import platform
 import time
 from typing import Any
 
@@ -17,6 +19,25 @@ def resolve_device(requested: str) -> torch.device:
     if not torch.cuda.is_available():
         raise TrainingError("device='cuda' was asked for, but this worker sees no CUDA device")
     return torch.device("cuda", 0)  # dask-cuda gives each worker its own GPU as cuda:0
+
+
+def describe_device(requested: str) -> dict[str, Any]:
+    """What this worker trains on, for the run's config: the device and its name as the driver reports it
+    (run on each worker through `client.run` before training; never raises, the loop checks the request)."""
+    if requested == "cpu" or not torch.cuda.is_available():
+        return {"device": "cpu", "name": _cpu_model() or platform.processor() or platform.machine()}
+    properties = torch.cuda.get_device_properties(0)
+    return {"device": "cuda:0", "name": properties.name, "memory_mb": properties.total_memory // 2**20,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _cpu_model() -> str | None:
+    """The processor's model name on Linux (`platform.processor()` is empty there)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def configure_worker_for_training(worker: Any) -> bool:

@@ -26,6 +26,7 @@ from ..averaging import fingerprint, flat_optimizer_state, flatten, unflatten_in
 from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
                            validate_compression)
 from ..errors import ConfigError
+from ..device_staging import HostStaging, to_host
 from ..replies import KnownWeights
 from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies
 from ..checks import check_positive_int, check_positive_number
@@ -166,6 +167,8 @@ class _ServerStrategy(Strategy):
         self.rank, self.world_size, self.timeout_s = context.rank, context.world_size, context.timeout_s
         self.parameters = list(context.model.parameters())
         self.numel = sum(p.numel() for p in self.parameters)
+        # On a CUDA worker what goes to and comes from the server passes through pinned host memory.
+        self.staging = HostStaging(self.numel, context.device)
         self.compressors = self._compressors()
         restored = getattr(self, "restored_residuals", None)
         if restored is not None and [r is None for r in restored] == [c.residual is None for c in self.compressors] \
@@ -189,7 +192,7 @@ class _ServerStrategy(Strategy):
     def _start_weights(self, context: TrainingContext) -> torch.Tensor:
         """What the server starts from: this worker's weights (equal on every rank but for a switch that
         carried each worker's own over a common base, `common`: then that base)."""
-        return self.common if self.common is not None else flatten(list(context.model.parameters()))
+        return to_host(self.common if self.common is not None else flatten(list(context.model.parameters())))
 
     def _holds_the_start(self, context: TrainingContext) -> bool:
         """Whether this worker may skip the fetch that starts it: only elastic averaging's shards keep
@@ -205,12 +208,14 @@ class _ServerStrategy(Strategy):
         return [ErrorFeedback(self.settings.compression, stop - start, self.settings.topk_ratio,
                               self.settings.threshold_tau) for start, stop in self.server.ranges]
 
-    def _encode(self, vector: torch.Tensor, copy: bool = True) -> tuple[list[Any], int]:
+    def _encode(self, vector: torch.Tensor, copy: bool = True, slot: int = 0) -> tuple[list[Any], int]:
+        # Encoded on the host: packets cross Dask, and compression state (residuals) lives with them.
+        vector = self.staging.to_host(vector, slot)
         packets = [compressor.encode(part, copy) for compressor, part in zip(self.compressors, self.server.split(vector))]
         return packets, sum(packet.nbytes for packet in packets)
 
     def _load(self, vector: torch.Tensor) -> None:
-        unflatten_into(vector, [p.data for p in self.parameters])
+        unflatten_into(self.staging.to_device(vector), [p.data for p in self.parameters])
 
     def _collect(self, block: bool) -> dict[str, Any]:
         """Take the in-flight call's replies if they are back (waiting for them when `block`)."""
@@ -362,10 +367,11 @@ class AsyncSGD(_ServerStrategy):
         super().setup(context)
         # Two accumulators used in turn: uncompressed pushes send one as it is (no copy) while the next
         # window accumulates into the other; it is free again once that push's reply is back.
-        self.buffers = [torch.zeros(self.numel), torch.zeros(self.numel)]
+        # On the worker's device: gradients are added every step, and staged to the host once a push.
+        self.buffers = [torch.zeros(self.numel, device=context.device) for _ in range(2)]
         self.buffer_views = [_views(buffer, self.parameters) for buffer in self.buffers]
         self.accumulated, self.views = self.buffers[0], self.buffer_views[0]
-        self.velocity = torch.zeros(self.numel) if self.worker_momentum else None
+        self.velocity = torch.zeros(self.numel, device=context.device) if self.worker_momentum else None
         self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
         carried = getattr(self, "carried_optimizer_state", {})
         if self.worker_momentum and "momentum_buffer" in carried:
@@ -429,19 +435,23 @@ class AsyncSGD(_ServerStrategy):
 
     def _send(self, context: TrainingContext) -> dict[str, Any]:
         fetch = self.steps_since_fetch >= (self.settings.fetch_every or self.settings.push_every)
-        packets, sent = self._encode(self.accumulated, copy=False)
+        packets, sent = self._encode(self.accumulated, copy=False, slot=self._slot())
         self._swap_buffers()
         if self.worker_momentum:
             # Momentum factor masking (DGC): coordinates just sent restart their velocity, so a delayed
             # coordinate's stale momentum is not sent again.
             for part, packet in zip(self.server.split(self.velocity), packets):
-                part[packet.indices.long()] = 0
+                part[packet.indices.long().to(part.device)] = 0
         self.clock += 1
         if fetch:
             self.steps_since_fetch = 0
         lr = context.optimizer.param_groups[0]["lr"]
         self.pending = self.server.push(self.rank, packets, lr, self.clock, fetch)
         return {"bytes_sent": sent, "clock": self.clock}
+
+    def _slot(self) -> int:
+        """The staging slot of the buffer being sent: free again, like the buffer, once its reply is back."""
+        return 0 if self.accumulated is self.buffers[0] else 1
 
     def _swap_buffers(self) -> None:
         # Called right after the previous call was collected, so the other buffer is no longer in flight.
@@ -465,7 +475,7 @@ class AsyncSGD(_ServerStrategy):
 
     def _flush(self, context: TrainingContext) -> None:
         if self.steps_since_send:  # the last, partial window
-            packets, _ = self._encode(self.accumulated, copy=False)
+            packets, _ = self._encode(self.accumulated, copy=False, slot=self._slot())
             self._swap_buffers()
             self.steps_since_send = 0
             self.pending = self.server.push(self.rank, packets, context.optimizer.param_groups[0]["lr"], None, False)
@@ -537,11 +547,11 @@ class ElasticAveraging(_ServerStrategy):
     def _compressors(self) -> list[ErrorFeedback]:
         return []  # see `_encode`
 
-    def _encode(self, vector: torch.Tensor, copy: bool = True) -> tuple[list[Any], int]:
-        # The mirror is the error feedback here: what a push did not send stays in weights - mirror. A
-        # residual kept as well sends it twice: with top-k 10% over 20 random updates (weights within
-        # +/-0.17) and then 20 pushes of nothing new, |weights - mirror| grew to 19 instead of reaching 0
-        # (tests/test_replies.py).
+    def _encode(self, vector: torch.Tensor, copy: bool = True, slot: int = 0) -> tuple[list[Any], int]:
+        # `vector` is on the host already (see `_send`). The mirror is the error feedback here: what a push
+        # did not send stays in weights - mirror. A residual kept as well sends it twice: with top-k 10%
+        # over 20 random updates (weights within +/-0.17) and then 20 pushes of nothing new,
+        # |weights - mirror| grew to 19 instead of reaching 0 (tests/test_replies.py).
         settings = self.settings
         packets = [encode(part, settings.compression, settings.topk_ratio, settings.threshold_tau, copy)
                    for part in self.server.split(vector)]
@@ -554,7 +564,8 @@ class ElasticAveraging(_ServerStrategy):
         return self.settings.period
 
     def _send(self, context: TrainingContext) -> dict[str, Any]:
-        packets, sent = self._encode(flatten(self.parameters) - self.mirror)
+        # The mirror lives on the host, as the server's copy of it does: the weights come to it.
+        packets, sent = self._encode(self.staging.to_host(flatten(self.parameters)) - self.mirror)
         for part, packet in zip(self.server.split(self.mirror), packets):
             add_decoded(part, packet)  # the same decoded update the server adds to its mirror
         self.clock += 1
@@ -567,6 +578,6 @@ class ElasticAveraging(_ServerStrategy):
         # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit (tests/test_replies.py).
         pull = torch.cat([decode(packet) for packet in reply.pull])
         self.mirror -= pull
-        for parameter, part in zip(self.parameters, _views(pull, self.parameters)):
+        for parameter, part in zip(self.parameters, _views(self.staging.to_device(pull), self.parameters)):
             parameter.data.sub_(part)
         return reply.nbytes

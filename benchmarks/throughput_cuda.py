@@ -1,0 +1,228 @@
+"""The GPU half of benchmarks/throughput.py (`--device cuda`): a transformer in bf16 autocast on one GPU.
+
+Model: token embedding (vocabulary 8192), 8 pre-norm transformer encoder blocks (width 512, 8 heads,
+feed-forward 2048), mean pool, a 10-way head: 29M parameters. Batch 128 sequences of 256 tokens per
+worker, AdamW, the data on the GPU once. Each repetition measures, in order: the plain single-process
+CUDA loop; PyTorch DDP with one process (NCCL); on `dask_cuda.LocalCUDACluster` (one worker per GPU)
+the workbench with one CUDA worker; then two plain loops side by side on the GPU (the machine's own limit
+for two workers), DDP with two processes sharing the GPU (gloo: NCCL refuses two ranks on one GPU), and
+on a cluster of two workers sharing the GPU each strategy. Every loop reads its loss every step, as
+the workbench does for its metrics. Medians over repetitions; ratios to the plain loop and to the limit.
+The workbench's cost per step is the difference of the step times, 1/rate.
+
+    python benchmarks/throughput.py --device cuda [--repeats 2] [--steps 100] [--out results/gpu-x.json]
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import workbench
+from throughput import steady_rate
+
+VOCAB, WIDTH, BLOCKS, HEADS, SEQUENCE, CLASSES = 8192, 512, 8, 8, 256, 10
+BATCH, WARMUP, SAMPLES, LR = 128, 10, 128 * 16, 1e-4
+
+# The workers cannot import this file: the model travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class TokenClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        block = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, BLOCKS, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)).mean(dim=1))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQUENCE), generator=generator)
+    return tokens, tokens[:, 0] % CLASSES  # learnable: the class is in the first token
+
+
+def _timed_loop(model, steps, rank=0, world_size=1, before_timing=None):
+    tokens, targets = (t.cuda() for t in data())  # on the GPU once, as the workbench does per shard
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    shard = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(rank))[rank::world_size]
+    batches = len(shard) // BATCH
+    for step in range(WARMUP + steps):
+        if step == WARMUP:
+            if before_timing:
+                before_timing()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+        index = shard[(step % batches) * BATCH:(step % batches + 1) * BATCH].cuda()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(tokens[index]), targets[index])
+        loss.backward()
+        optimizer.step()
+        float(loss.detach())
+    torch.cuda.synchronize()
+    return steps * BATCH / (time.perf_counter() - started)
+
+
+def _plain_process(steps, rank, start, results):
+    torch.manual_seed(0)
+    model = TokenClassifier().cuda()
+    # Side by side, every process is timed over the same moments: from when all have warmed up (the
+    # first steps initialise cuBLAS and take seconds, longer than a short timed window).
+    results.put(_timed_loop(model, steps, rank, before_timing=start.wait))
+
+
+def _ddp_process(rank, world_size, port, backend, steps, results):
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(TokenClassifier().cuda(), device_ids=[0])
+        results.put(_timed_loop(model, steps, rank, world_size, dist.barrier))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_plain(steps, processes=1):
+    context = mp.get_context("spawn")
+    results, start = context.Queue(), context.Barrier(processes)
+    started = [context.Process(target=_plain_process, args=(steps, rank, start, results)) for rank in range(processes)]
+    for process in started:
+        process.start()
+    rate = sum(results.get(timeout=600) for _ in started)
+    for process in started:
+        process.join(60)
+    return rate
+
+
+def measure_ddp(steps, world_size, backend):
+    from workbench.collectives import find_free_port
+
+    context = mp.get_context("spawn")
+    results, port = context.SimpleQueue(), find_free_port()
+    processes = [context.Process(target=_ddp_process, args=(r, world_size, port, backend, steps, results))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(600)
+    return sum(results.get() for _ in range(world_size))
+
+
+def measure_workbench(client, steps, strategy, **settings):
+    job = workbench.Job(model=TokenClassifier, data=data(), batch_size=BATCH, steps=WARMUP + steps, lr=LR,
+                        optimizer="adamw", device="cuda", precision="bf16")
+    run = workbench.train(job, strategy, client=client, run_dir="/tmp/workbench-gpu-benchmark-runs", **settings)
+    status = run.wait(timeout=600)
+    assert status == "finished", f"{strategy} {settings}: {status}"
+    rate, extras = steady_rate(run, WARMUP)
+    steps_frame = run.metrics[run.metrics["step"] >= WARMUP]
+    extras.update(compute_ms=1e3 * steps_frame["compute_s"].median(), comm_ms=1e3 * steps_frame["comm_s"].median(),
+                  gpu_utilization=steps_frame.get("gpu_utilization", steps_frame["step"] * float("nan")).median(),
+                  gpu_memory_mb=steps_frame.get("gpu_memory_mb", steps_frame["step"] * float("nan")).max(),
+                  device=run.config["devices"][0]["name"])
+    return rate, extras
+
+
+SHARED = [("allreduce x2", "allreduce", {}), ("average p16 x2", "average", {"period": 16}),
+          ("async p16 x2", "async", {"push_every": 16}), ("ssp p16 x2", "ssp", {"push_every": 16}),
+          ("easgd p16 x2", "easgd", {"period": 16})]
+
+
+def main(arguments) -> None:
+    # The one-worker comparison gets the long measurement (its ratio is the target); configurations of
+    # two workers sharing the GPU a shorter one (all-reduce over gloo moves the whole model every step).
+    steps = 100 if arguments.steps == 150 else arguments.steps  # 150 is the CPU default
+    short = max(10, steps // 4)
+    shared = [c for c in SHARED if not arguments.only or arguments.only in c[0]]
+    samples: dict[str, list[float]] = {}
+    extras: dict[str, dict] = {}
+    began = time.monotonic()
+
+    def record(name, value):
+        samples.setdefault(name, []).append(value)
+        print(f"[{time.monotonic() - began:5.0f} s] {name}: {value:,.0f} samples/s", flush=True)
+        if arguments.out:  # whatever was measured survives a run cut short
+            save(arguments.out, report(samples, extras, arguments.repeats, steps))
+
+    for repeat in range(arguments.repeats):
+        record("plain", measure_plain(steps))
+        with workbench.client_session(kind="cuda", dashboard_address=":0") as client:
+            rate, extras["workbench 1 worker"] = measure_workbench(client, steps, "allreduce")
+            record("workbench 1 worker", rate)
+        record("ddp x1 nccl", measure_ddp(steps, 1, "nccl"))
+        record("plain x2 side by side", measure_plain(2 * short, 2))
+        with workbench.client_session(kind="cuda", workers=2, dashboard_address=":0") as client:
+            for name, strategy, settings in shared:
+                rate, extras[name] = measure_workbench(client, short, strategy, **settings)
+                record(name, rate)
+        record("ddp x2 gloo", measure_ddp(short, 2, "gloo"))
+    result = report(samples, extras, arguments.repeats, steps)
+    print_table(result, extras)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "details"}))
+    if arguments.out:
+        save(arguments.out, result)
+
+
+def save(path, result):
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1, default=str)
+
+
+def report(samples, extras, repeats, steps):
+    """The result so far: medians, and the ratios whose configurations were measured."""
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    parameters = sum(p.numel() for p in TokenClassifier().parameters())
+    result = {
+        "device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+        "machine": platform.node(), "torch": torch.__version__,
+        "model": f"transformer {BLOCKS}x{WIDTH}, {parameters} parameters, bf16 autocast, AdamW",
+        "batch": f"{BATCH}x{SEQUENCE} tokens per worker", "repeats": repeats, "steps": steps,
+        "samples_per_s": medians,
+    }
+    ratio = lambda a, b: medians[a] / medians[b] if a in medians and b in medians else None  # noqa: E731
+    limit = "plain x2 side by side"
+    result.update({
+        "one_worker_vs_plain": ratio("workbench 1 worker", "plain"),
+        "ddp_x1_vs_plain": ratio("ddp x1 nccl", "plain"),
+        "one_worker_vs_ddp_x1": ratio("workbench 1 worker", "ddp x1 nccl"),
+        "limit_x2_vs_plain": ratio(limit, "plain"),
+        "ddp_x2_gloo_vs_limit": ratio("ddp x2 gloo", limit),
+        **{"_".join(name.split()[:-1]) + "_x2_vs_limit": ratio(name, limit) for name, *_ in SHARED},
+    })
+    if "workbench 1 worker" in medians:
+        plain_ms, worker_ms = (1e3 * BATCH / medians[name] for name in ("plain", "workbench 1 worker"))
+        result.update(plain_ms_per_step=plain_ms, workbench_overhead_ms_per_step=worker_ms - plain_ms)
+    result = {k: v for k, v in result.items() if v is not None}
+    result["details"] = extras
+    return result
+
+
+def print_table(result, extras):
+    medians = result["samples_per_s"]
+    plain, limit = medians["plain"], medians.get("plain x2 side by side")
+    print(f"\n{result['device']}: {result['model']}, batch {result['batch']}, {result['repeats']} repeats "
+          f"(medians), torch {result['torch']}")
+    print(f"{'configuration':<26}{'samples/s':>11}{'ms/step':>9}{'vs plain':>10}{'vs limit':>10}{'compute ms':>12}"
+          f"{'comm ms':>9}{'GPU %':>7}")
+    for name, value in medians.items():
+        extra = extras.get(name, {})
+        workers = 2 if "x2" in name else 1
+        cells = [f"{extra[key]:.1f}" if extra.get(key) is not None else "" for key in ("compute_ms", "comm_ms")]
+        utilization = f"{extra['gpu_utilization']:.0f}" if extra.get("gpu_utilization") is not None else ""
+        versus_limit = f"{value / limit:.3f}" if limit else ""
+        print(f"{name:<26}{value:>11,.0f}{1e3 * BATCH * workers / value:>9.1f}{value / plain:>10.3f}"
+              f"{versus_limit:>10}{cells[0]:>12}{cells[1]:>9}{utilization:>7}")
