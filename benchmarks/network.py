@@ -488,6 +488,13 @@ class Cells:
                                   "span_s": {int(w): float(rows["time"].max() - started)
                                              for w, rows in inside.groupby("worker")},
                                   "time_split": time_split(inside), "hosts": self._hosts(run), **overheads}
+        if "cpu_s" in inside:
+            # Each worker process's CPU (every thread: training, Dask's comms, a shard it holds) in cores,
+            # and its median compute per step: a worker slowed by a smaller share of the cores reads fewer
+            # cores; one slowed inside its process (the GIL, its shard's work) more CPU per step.
+            record["cpu_cores"] = {int(w): float(rows["cpu_s"].sum() / max(1e-9, rows["time"].max() - rows["time"].min()))
+                                   for w, rows in inside.groupby("worker")}
+            record["compute_ms"] = {int(w): 1e3 * float(rows["compute_s"].median()) for w, rows in inside.groupby("worker")}
         communication = communication_summary(inside)
         for key in ("bytes_sent_per_step", "bytes_received_per_step", "bytes_per_worker", "comm_hidden_fraction"):
             if key in communication:

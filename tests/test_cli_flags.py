@@ -1,4 +1,5 @@
-"""The CLI's strategy flags come from the settings dataclasses: every setting has one (pure, no cluster)."""
+"""The CLI's flags: every strategy setting has one, from the settings dataclasses (pure); the job's device and
+precision reach the run (one short run on the session cluster)."""
 import dataclasses
 
 import pytest
@@ -30,3 +31,18 @@ def test_flags_become_the_settings_the_strategy_checks():
     arguments = cli.build_parser().parse_args(["train", "--strategy", "average", "--wire-dtype", "fp8"])
     with pytest.raises(ValueError, match="wire_dtype='fp8' is not allowed"):
         make_settings("average", chosen_settings(arguments))
+
+
+def test_device_and_precision_are_flags_that_reach_the_job(client, tmp_path, capsys):
+    import json
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["train", "--precision", "fp16"])
+    assert "argument --precision: invalid choice: 'fp16'" in capsys.readouterr().err
+    code = cli.main(["train", "--dataset", "digits", "--workers", "2", "--scheduler", client.scheduler.address,
+                     "--no-progress", "--run-dir", str(tmp_path), "--steps", "20", "--device", "cpu",
+                     "--precision", "bf16"])
+    assert code == 0, capsys.readouterr()
+    config = json.loads(next(tmp_path.glob("*/config.json")).read_text())
+    assert config["job"]["precision"] == "bf16" and config["job"]["device"] == "cpu"
+    assert [d["device"] for d in config["devices"]] == ["cpu", "cpu"]

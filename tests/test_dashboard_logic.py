@@ -350,3 +350,14 @@ def test_sessions_draw_only_their_open_tab_and_share_the_worker_table_they_draw_
         assert details.screen is sessions[0].screen
     finally:
         hub.close()
+
+
+def test_the_dashboards_worker_table_shows_gpu_gauges_rounded_and_only_where_reported():
+    from widgets.dashboard.views.overview import worker_frame
+
+    row = {"worker": 0, "address": "tcp://a:1", "state": "training", "step": 3, "samples_per_s": 10.4,
+           "last_seen_s": 1.0}
+    assert "GPU memory (MB)" not in worker_frame([row], {}).columns  # CPU workers: no GPU columns
+    frame = worker_frame([{**row, "gpu_memory_mb": 65.482422, "gpu_utilization": 73.0},
+                          {**row, "worker": 1, "gpu_memory_mb": 1024.6, "gpu_utilization": None}], {})
+    assert list(frame["GPU memory (MB)"]) == [65, 1025] and frame["GPU use (%)"].iloc[0] == 73

@@ -24,7 +24,7 @@ from .checks import check_positive_int, check_positive_number
 from .arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
 from .data import as_source, resolve_dataset
 from .errors import ConfigError, WorkbenchError
-from .job import OPTIMIZERS, Job
+from .job import DEVICES, OPTIMIZERS, PRECISIONS, Job
 from .models import mlp
 from . import checkpoint as checkpoints
 from .run import resume, train
@@ -57,6 +57,9 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default="auto", choices=DEVICES, help="where workers train (auto: CUDA where they have a GPU)")
+    run.add_argument("--precision", default="float32", choices=PRECISIONS,
+                     help="bf16: the forward pass under bfloat16 autocast (weights and optimizer stay float32)")
     run.add_argument("--scheduler", default=None, metavar="ADDRESS", help="train on an existing cluster")
     add_tls_arguments(run)
     run.add_argument("--run-dir", default="runs", help="where the run's directory is created")
@@ -148,7 +151,7 @@ def _train(arguments: argparse.Namespace) -> int:
         model=mlp(features, classes, arguments.hidden), data=splits, optimizer=arguments.optimizer,
         momentum=momentum, batch_size=arguments.batch_size,
         epochs=arguments.epochs if arguments.epochs or arguments.steps else DEFAULT_EPOCHS, steps=arguments.steps,
-        lr=lr, seed=arguments.seed,
+        lr=lr, seed=arguments.seed, device=arguments.device, precision=arguments.precision,
     )
     settings = chosen_settings(arguments)
     job.prepare()  # refuse bad values before a cluster is started

@@ -114,9 +114,14 @@ def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, A
             "staleness": row.get("staleness"),
             "staleness mean": round(pushes["mean"], 2) if pushes else None,
             "staleness max": pushes.get("max"), "steps since sync": row.get("steps_since_sync"),
-            "divergence": row.get("divergence"), "GPU memory (MB)": row.get("gpu_memory_mb"),
-            "GPU use (%)": row.get("gpu_utilization"),
+            "divergence": row.get("divergence"), "GPU memory (MB)": _rounded(row.get("gpu_memory_mb")),
+            "GPU use (%)": _rounded(row.get("gpu_utilization")),
         })
     frame = pd.DataFrame(rows)
     # Columns that no worker reports (GPU on CPU machines, staleness under averaging) are left out.
     return frame.dropna(axis=1, how="all") if not frame.empty else frame
+
+
+def _rounded(value: float | None) -> float | None:
+    """A gauge as the table shows it: whole megabytes and percent (None stays empty)."""
+    return None if value is None else round(value)

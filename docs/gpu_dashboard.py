@@ -1,0 +1,45 @@
+"""Draws docs/dashboard-gpu.png: the team dashboard showing a run trained on the GPU machine.
+
+The run (two workers sharing one NVIDIA H200, all-reduce switched live to async and back; the live-switch
+test of tests/test_gpu.py) was recorded there into its run directory, kept in
+benchmarks/results/gpu-run-nvidia-h200/. The GPU machine has no browser, so the dashboard is served here,
+on a local scheduler, with that directory as its runs directory, and loaded in headless Chromium: what
+it draws is the run's own records (throughput, loss, switches, and each worker's GPU memory and use).
+
+    python docs/gpu_dashboard.py   # needs chromium (apt-get install chromium) and the test extras
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import workbench  # noqa: E402
+from helpers import chromium  # noqa: E402
+from test_dashboard import COUNT, open_dashboard, served  # noqa: E402
+
+RECORDED = ROOT / "benchmarks" / "results" / "gpu-run-nvidia-h200"
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = Path(scratch) / "runs"
+        run_id = __import__("json").loads((RECORDED / "config.json").read_text())["run_id"]
+        shutil.copytree(RECORDED, runs / run_id)
+        with workbench.client_session(workers=1, dashboard_address=":0") as client, \
+                served(client, runs) as url, chromium() as browser:
+            page = open_dashboard(browser, url, run_id)
+            page.locator(".worker-table table").first.wait_for(timeout=30_000)
+            # The plots hold the run's points (drawn after the table).
+            page.wait_for_function(f"() => ({COUNT.format(name='throughput', column='time')}) () >= 2"
+                                   f" && ({COUNT.format(name='loss', column='step')}) () >= 2", timeout=30_000)
+            page.screenshot(path=str(ROOT / "docs" / "dashboard-gpu.png"), full_page=True)
+            print(page.locator(".worker-table table").first.inner_text())
+
+
+if __name__ == "__main__":
+    main()
