@@ -93,32 +93,29 @@ def _ddp_process(rank, world_size, port, steps, results):
         dist.destroy_process_group()
 
 
+def spawn_and_sum(target, argument_lists, context=None):
+    """One spawned process per argument list, each given the result queue last; the sum of what they put."""
+    context = context or mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(*arguments, results)) for arguments in argument_lists]
+    for process in processes:
+        process.start()
+    total = sum(results.get(timeout=600) for _ in processes)
+    for process in processes:
+        process.join(60)
+    return total
+
+
 def measure_plain(steps, processes=1):
     """The plain loop's samples/s, summed over `processes` copies running side by side."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    started = [context.Process(target=_plain_process, args=(steps, results)) for _ in range(processes)]
-    for process in started:
-        process.start()
-    rate = sum(results.get(timeout=600) for _ in started)
-    for process in started:
-        process.join(60)
-    return rate
+    return spawn_and_sum(_plain_process, [(steps,)] * processes)
 
 
 def measure_ddp(steps, world_size):
     from workbench.collectives import find_free_port
 
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
     port = find_free_port()
-    processes = [context.Process(target=_ddp_process, args=(r, world_size, port, steps, results))
-                 for r in range(world_size)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(600)
-    return sum(results.get() for _ in range(world_size))
+    return spawn_and_sum(_ddp_process, [(r, world_size, port, steps) for r in range(world_size)])
 
 
 def measure_workbench(client, steps, workers, strategy, **settings):

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import workbench
-from throughput import steady_rate
+from throughput import spawn_and_sum, steady_rate
 
 VOCAB, WIDTH, BLOCKS, HEADS, SEQUENCE, CLASSES = 8192, 512, 8, 8, 256, 10
 BATCH, WARMUP, SAMPLES, LR = 128, 10, 128 * 16, 1e-4
@@ -98,28 +98,15 @@ def _ddp_process(rank, world_size, port, backend, steps, results):
 
 def measure_plain(steps, processes=1):
     context = mp.get_context("spawn")
-    results, start = context.Queue(), context.Barrier(processes)
-    started = [context.Process(target=_plain_process, args=(steps, rank, start, results)) for rank in range(processes)]
-    for process in started:
-        process.start()
-    rate = sum(results.get(timeout=600) for _ in started)
-    for process in started:
-        process.join(60)
-    return rate
+    start = context.Barrier(processes)
+    return spawn_and_sum(_plain_process, [(steps, rank, start) for rank in range(processes)], context)
 
 
 def measure_ddp(steps, world_size, backend):
     from workbench.collectives import find_free_port
 
-    context = mp.get_context("spawn")
-    results, port = context.SimpleQueue(), find_free_port()
-    processes = [context.Process(target=_ddp_process, args=(r, world_size, port, backend, steps, results))
-                 for r in range(world_size)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(600)
-    return sum(results.get() for _ in range(world_size))
+    port = find_free_port()
+    return spawn_and_sum(_ddp_process, [(r, world_size, port, backend, steps) for r in range(world_size)])
 
 
 def measure_workbench(client, steps, strategy, **settings):
