@@ -25,14 +25,11 @@ about a minute, the stand-in for the longer jobs `auto` is for; every configurat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
 import math
-import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -68,24 +65,15 @@ def set_condition(lab: Any, condition: str) -> None:
 def ensure_workers(lab: Any, client: Any, hosts: tuple[int, ...] = (1, 2)) -> None:
     """Each worker host's `dask worker` back before the next run: a worker the nanny restarts (after a
     run's stop on a slow link) sometimes never rejoins (seen twice in 2026-11-24's runs), and one cell
-    then lost the whole benchmark. Such a host gets a fresh `dask worker`, said so on stdout."""
-    from urllib.parse import urlparse
-
+    then lost the whole benchmark. Such a host gets a fresh `dask worker` after 60 s (`Lab.restore_workers`),
+    said so on stdout."""
     try:
         client.wait_for_workers(len(hosts), timeout=60)
         return
     except TimeoutError:
         pass
-    present = {urlparse(address).hostname for address in client.scheduler_info()["workers"]}
-    for host in hosts:
-        if lab.addresses[host] not in present:
-            print(f"host {host}'s worker did not come back within 60 s: a fresh one", flush=True)
-            for process in [p for h, p in lab.processes if h == host and "distributed.cli.dask_worker" in p.args]:
-                with contextlib.suppress(ProcessLookupError):  # the nanny and its worker: one process group
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
-            lab.start_worker(host)
-    client.wait_for_workers(len(hosts), timeout=120)
+    for host in lab.restore_workers(client, list(hosts), timeout_s=120):
+        print(f"host {host}'s worker did not come back within 60 s: a fresh one", flush=True)
 
 
 def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], condition: str,

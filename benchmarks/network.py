@@ -548,18 +548,12 @@ class Cells:
             time.sleep(0.05)
 
     def ensure_workers(self) -> None:
-        """One Dask worker on every worker host before a cell: a worker whose connection to the scheduler
-        broke ends its `dask worker` process (its nanny closes too); start a new one there, and say so."""
+        """One Dask worker on every worker host before a cell (`Lab.restore_workers`), said so on stdout."""
         for entry in [e for e in self.lab.processes if e[1].poll() is not None]:
             self.lab.processes.remove(entry)  # ended: never signalled again (its id may be reused)
-        present = {self.host_of_address.get(address.split("//")[-1].rsplit(":", 1)[0])
-                   for address in self.client.scheduler_info()["workers"]}
-        for host in self.worker_hosts:
-            if host not in present:
-                print(f"  the worker on host {host} is gone: starting a new one (logs in {self.lab.logs})", flush=True)
-                self.restarted.append({"host": host, "time": time.time()})
-                self.lab.start_worker(host)
-        self.client.wait_for_workers(len(self.worker_hosts), timeout=self.arguments.start_timeout_s)
+        for host in self.lab.restore_workers(self.client, self.worker_hosts, self.arguments.start_timeout_s):
+            print(f"  the worker on host {host} was gone: a new one started (logs in {self.lab.logs})", flush=True)
+            self.restarted.append({"host": host, "time": time.time()})
 
     def _trouble(self, run: Any) -> str | None:
         """Why a run's numbers do not count: it trained on fewer workers than there are worker hosts, or

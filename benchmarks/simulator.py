@@ -140,10 +140,13 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                         for name, strategy, settings in configs if forward else configs[::-1]:
                             bench.condition = condition
                             set_condition(lab, condition)
+                            restarts = len(bench.restarted)
                             record = network.measured(
                                 lambda s=strategy, k=settings: measure_cell(bench, kept, s, k), config=name,
                                 strategy=strategy, settings=settings, condition=condition, workers=size,
                                 repeat=repeat)
+                            if len(bench.restarted) > restarts:  # a worker started just before this cell
+                                record["workers_restarted_before"] = [r["host"] for r in bench.restarted[restarts:]]
                             cells.append(record)
                             shown = record.get("error") or (
                                 f"{record['samples_per_s']:,.0f} samples/s, staleness "

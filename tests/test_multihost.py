@@ -173,6 +173,25 @@ def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path
     assert resumed.evaluate()["accuracy"] >= 0.8
 
 
+def test_restore_workers_replaces_a_lost_hosts_worker_and_never_doubles_one(lab, all_workers):
+    from workbench.launcher import present_workers
+
+    hosts = list(range(1, 1 + WORKER_HOSTS))
+    before = present_workers(all_workers)
+    assert lab.restore_workers(all_workers, hosts) == [] and present_workers(all_workers) == before
+    # Host 3's nanny and worker gone for good (their process group), as after a broken scheduler link.
+    [(_, old)] = [(h, p) for h, p in lab.processes if h == 3 and "distributed.cli.dask_worker" in p.args]
+    os.killpg(old.pid, signal.SIGKILL)
+    old.wait(timeout=10)
+    wait_until(lambda: len(present_workers(all_workers)) == WORKER_HOSTS - 1, timeout_s=60)
+    assert lab.restore_workers(all_workers, hosts) == [3]
+    after = present_workers(all_workers)
+    hosts_now = sorted(a.split("//")[-1].rsplit(":", 1)[0] for a in after)
+    assert hosts_now == sorted(lab.addresses[h] for h in hosts)  # one worker on each host, none twice
+    assert [p for h, p in lab.processes if p is old] == []
+    assert lab.restore_workers(all_workers, hosts) == []
+
+
 def _transfer_seconds(lab, megabytes):
     """Seconds to send `megabytes` over TCP from host 1 to host 2 (a receiver in host 2, the sender in
     host 1, both as subprocesses inside them)."""

@@ -256,6 +256,34 @@ class Lab:
                                  str(nthreads), "--no-dashboard", "--memory-limit", "0"],
                           f"worker-{host}-{len(self.processes)}", env)
 
+    def restore_workers(self, client: Any, hosts: list[int], timeout_s: float = START_TIMEOUT_S) -> list[int]:
+        """A fresh `dask worker` on every host in `hosts` whose worker the
+        scheduler does not know now, its old one killed first, so no host ever has two; waits until every
+        one has joined and returns the hosts restored (a worker whose scheduler connection broke ends, and
+        one the nanny restarts after a run's stop on a slow link sometimes never rejoins).
+
+        Who is present is asked of the scheduler (`launcher.present_workers`), not read from
+        `client.scheduler_info()`: that returns the client's cached identity, which its own refresh every
+        2 s (asking for 0 workers) can empty between the fetch and the read. A benchmark trusting it once
+        saw every host's worker gone, started three more beside them on the 2 cores in the middle of a
+        measured cell (the shard's host worker at 3,889 samples/s, 5,852 in the cell's other windows), and the next cells failed
+        on 6 workers (grid 2026-11-26-crowding-b)."""
+        from workbench.launcher import present_workers
+
+        for host in hosts:
+            self._indices(host)
+        present = {address.split("//")[-1].rsplit(":", 1)[0] for address in present_workers(client)}
+        restored = [host for host in hosts if self.addresses[host] not in present]
+        for host in restored:
+            for entry in [e for e in self.processes if e[0] == host and _is_worker(e[1])]:
+                _signal_group(entry[1], signal.SIGKILL)  # the nanny and its worker: one process group
+                entry[1].wait(timeout=10)
+                self.processes.remove(entry)
+            self.start_worker(host)
+        if restored:
+            client.wait_for_workers(len(present) + len(restored), timeout=timeout_s)
+        return restored
+
     def connect(self, host: int = 0, workers: int | None = None, timeout_s: float = START_TIMEOUT_S, **options: Any):
         """A workbench client inside host `host`, connected to the lab's scheduler; waits for `workers`."""
         import workbench
@@ -354,6 +382,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def _is_worker(process: subprocess.Popen) -> bool:
+    return "distributed.cli.dask_worker" in process.args
 
 
 def _signal_group(process: subprocess.Popen, number: int) -> None:
