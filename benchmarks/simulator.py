@@ -277,14 +277,15 @@ def calibration_run(document: dict[str, Any], name: str, lab_workers: int | None
 
 def median_points(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per (workers, condition, configuration): the median of its repetitions' throughput and
-    staleness (a failed repetition is left out; a point all of whose repetitions failed keeps an error)."""
+    staleness (a failed repetition is left out, and one marked `disturbed`, with why: what it measured was
+    not the lab's condition; a point all of whose repetitions failed keeps an error)."""
     points: dict[tuple, dict[str, Any]] = {}
     for cell in cells:
         key = (cell["workers"], cell["condition"], cell["config"])
         points.setdefault(key, {k: cell[k] for k in ("workers", "condition", "config", "strategy", "settings")})
         points[key].setdefault("cells", []).append(cell)
     for point in points.values():
-        good = [c for c in point.pop("cells") if "error" not in c]
+        good = [c for c in point.pop("cells") if "error" not in c and "disturbed" not in c]
         if not good:
             point["error"] = "every repetition failed"
             continue

@@ -103,3 +103,14 @@ def test_side_by_side_loops_count_the_steps_inside_one_window_opened_once_all_ar
     # A second process that never comes: the first says so once its time to wait is over.
     with pytest.raises(RuntimeError, match="1 of 2 processes were ready after 0.5 s"):
         network._plain_loop({**spec, "barrier": str(tmp_path / "lonely"), "processes": 2, "ready_timeout_s": 0.5})
+
+
+def test_a_point_is_the_median_of_its_repetitions_less_the_failed_and_the_disturbed():
+    simulator = load_benchmark("simulator")
+    cells = [{**_cell(3, rate), "repeat": i} for i, rate in enumerate((6_000.0, 8_000.0, 7_000.0, 3_000.0))]
+    cells[3]["disturbed"] = "three workers started beside it"
+    cells.append({**_cell(3, 0.0), "repeat": 4, "error": "the run had 6 of 3 workers"})
+    [point] = simulator.median_points(cells)
+    assert point["runs"] == [6_000, 8_000, 7_000] and point["samples_per_s"] == 7_000.0
+    [gone] = simulator.median_points([{**cells[3]}, cells[4]])
+    assert gone["error"] == "every repetition failed" and "samples_per_s" not in gone
