@@ -257,17 +257,17 @@ class Lab:
                           f"worker-{host}-{len(self.processes)}", env)
 
     def restore_workers(self, client: Any, hosts: list[int], timeout_s: float = START_TIMEOUT_S) -> list[int]:
-        """A fresh `dask worker` on every host in `hosts` whose worker the
-        scheduler does not know now, its old one killed first, so no host ever has two; waits until every
-        one has joined and returns the hosts restored (a worker whose scheduler connection broke ends, and
-        one the nanny restarts after a run's stop on a slow link sometimes never rejoins).
+        """A fresh `dask worker` on every host in `hosts` whose worker the scheduler does not know now, its
+        old one killed first so no host ever has two; waits until they have joined and returns the hosts
+        restored (a worker whose scheduler connection broke ends, and one its nanny restarts after a run's
+        stop on a slow link sometimes never rejoins).
 
         Who is present is asked of the scheduler (`launcher.present_workers`), not read from
-        `client.scheduler_info()`: that returns the client's cached identity, which its own refresh every
-        2 s (asking for 0 workers) can empty between the fetch and the read. A benchmark trusting it once
-        saw every host's worker gone, started three more beside them on the 2 cores in the middle of a
-        measured cell (the shard's host worker at 3,889 samples/s, 5,852 in the cell's other windows), and the next cells failed
-        on 6 workers (grid 2026-11-26-crowding-b)."""
+        `client.scheduler_info()`: that returns the client's cached identity, which the client's own refresh
+        every 2 s (asking for 0 workers) can empty between the fetch and the read. Trusting it, a benchmark
+        once took every host's worker for gone and started three more beside the live ones, on the 2 cores,
+        in the middle of a measured cell (the shard's host worker at 3,888 samples/s, 5,852 in the same
+        point's middle window); the next cells failed on 6 of 3 workers (grid 2026-11-26-crowding-b)."""
         from workbench.launcher import present_workers
 
         for host in hosts:
