@@ -20,7 +20,10 @@ On the other side:
 A record is lost when it was sent and is missing from the client's table, the run directory or the
 hub's table after the last batch (a few seconds are allowed for the tail to arrive).
 
-    python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--label cpu-2core]
+    python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--group 1] [--label cpu-2core]
+
+`--group G` sends every G workers' batches as one `batches` message, as a relay in front of the scheduler
+would (the workbench has none yet: this measures what one would save the scheduler).
 
 The last line printed is one JSON object, also written to `benchmarks/results/scale-<label>.json`, with
 `records_lost_<N>`, `median_delay_s_<N>`, `p99_delay_s_<N>` and `scheduler_cores_<N>` for every N.
@@ -38,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,39 +65,55 @@ def step_record(rank: int, step: int, made: float, samples: int = 32) -> dict[st
 # --- the emulators: each a process with many connections ------------------------------------------------
 
 async def _emulate(address: str, topic_name: str, ranks: list[int], records_per_batch: int, start_at: float,
-                   seconds: float, slow: frozenset[int] = frozenset()) -> dict[int, int]:
+                   seconds: float, slow: frozenset[int] = frozenset(), group: int = 1) -> dict[int, int]:
     from distributed.comm import connect
 
-    comms = [await connect(address) for _ in ranks]
+    from workbench import kinds
+
+    # With `group` > 1, every `group` workers' batches reach the scheduler as one `batches` message, as a
+    # relay in front of the scheduler would forward them: one connection and one message a tick per group,
+    # each worker's batch made at its own phase of the interval before (its wait in the relay counts in
+    # the delay).
+    teams = [ranks[i:i + group] for i in range(0, len(ranks), group)]
+    comms = [await connect(address) for _ in teams]
     sent = dict.fromkeys(ranks, 0)
 
-    async def worker(rank: int, comm: Any) -> None:
-        # Independent workers tick at their own phase within the interval.
-        tick = start_at + (rank % 97) / 97 * FLUSH_INTERVAL_S
+    def batch(rank: int, step: int, made: float) -> dict[str, Any]:
+        # A slow worker's steps carry a quarter of the samples: its samples/s is a quarter of the others'.
+        records = [step_record(rank, step + i, made, 8 if rank in slow else 32) for i in range(records_per_batch)]
+        sent[rank] += records_per_batch
+        return {"kind": kinds.STEPS, "rank": rank, "records": records,
+                "worker": f"tcp://10.0.{rank // 256}.{rank % 256}:40000"}
+
+    async def team(members: list[int], comm: Any) -> None:
+        # Independent workers (or relays) tick at their own phase within the interval.
+        tick = start_at + (members[0] % 97) / 97 * FLUSH_INTERVAL_S
         step = 0
         while tick < start_at + seconds:
             await asyncio.sleep(max(0.0, tick - time.time()))
             now = time.time()
-            # A slow worker's steps carry a quarter of the samples: its samples/s is a quarter of the others'.
-            records = [step_record(rank, step + i, now, 8 if rank in slow else 32) for i in range(records_per_batch)]
+            if len(members) == 1:
+                message = batch(members[0], step, now)
+            else:
+                made = [now - (1 + i) / len(members) * FLUSH_INTERVAL_S for i in range(len(members))]
+                message = {"kind": kinds.BATCHES, "messages": [batch(r, step, t) for r, t in zip(members, made)]}
+            await comm.write({"op": "log_event", "topic": topic_name, "reply": False, "msg": message})
             step += records_per_batch
-            await comm.write({"op": "log_event", "topic": topic_name, "reply": False,
-                              "msg": {"kind": "steps", "rank": rank, "records": records,
-                                      "worker": f"tcp://10.0.{rank // 256}.{rank % 256}:40000"}})
-            sent[rank] += records_per_batch
             tick += FLUSH_INTERVAL_S
 
-    await asyncio.gather(*(worker(rank, comm) for rank, comm in zip(ranks, comms)))
+    await asyncio.gather(*(team(members, comm) for members, comm in zip(teams, comms)))
     for comm in comms:
         await comm.close()
     return sent
 
 
 def emulate(address: str, topic_name: str, ranks: list[int], records_per_batch: int, start_at: float,
-            seconds: float, results: Any, slow: frozenset[int] = frozenset()) -> None:
-    """One emulator process: `ranks` workers, a connection each; puts {rank: records sent} on `results`.
-    `slow`: ranks whose steps carry a quarter of the samples (a straggler, for views of many workers)."""
-    results.put(asyncio.run(_emulate(address, topic_name, ranks, records_per_batch, start_at, seconds, slow)))
+            seconds: float, results: Any, slow: frozenset[int] = frozenset(), group: int = 1) -> None:
+    """One emulator process: `ranks` workers, a connection each (or each `group` of them); puts {rank:
+    records sent} on `results`. `slow`: ranks whose steps carry a quarter of the samples (a straggler, for
+    views of many workers)."""
+    results.put(asyncio.run(_emulate(address, topic_name, ranks, records_per_batch, start_at, seconds, slow,
+                                     group)))
 
 
 # --- the dashboard's hub, in its own process ------------------------------------------------------------
@@ -160,13 +178,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, scratch: Path) -> dict[str, Any]:
-    """N emulated workers for `seconds`; what the scheduler, the client and the hub made of it."""
+def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, scratch: Path,
+            group: int = 1) -> dict[str, Any]:
+    """N emulated workers for `seconds` (every `group` of them forwarded as one message); what the scheduler,
+    the client and the hub made of it."""
     from distributed import Client
 
     from workbench import kinds
     from workbench.feed import RunFeed, announce
-    from workbench.metrics import MetricsTable, topic
+    from workbench.metrics import MetricsTable, messages_in, topic
     from workbench.rundir import RunDirectory, read_metrics
 
     records_per_batch = max(1, round(steps_per_s * FLUSH_INTERVAL_S))
@@ -186,11 +206,11 @@ def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, sc
         def on_message(event: tuple[float, dict[str, Any]]) -> None:
             arrived = time.time()
             feed.on_message(event)
-            message = event[1]
-            if message.get("kind") == kinds.STEPS:
-                for record in message["records"]:
-                    delays.append(arrived - record["time"])
-                    received.add((record["worker"], record["step"]))
+            for message in messages_in(event[1]):
+                if message.get("kind") == kinds.STEPS:
+                    for record in message["records"]:
+                        delays.append(arrived - record["time"])
+                        received.add((record["worker"], record["step"]))
 
         client.subscribe_topic(topic(run_id), on_message)
         hub_ready, hub_expected, hub_results = context.Event(), context.Queue(), context.Queue()
@@ -215,7 +235,7 @@ def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, sc
         groups = [list(range(workers))[i::emulators] for i in range(emulators)]
         for ranks in groups:
             process = context.Process(target=emulate, args=(address, topic(run_id), ranks, records_per_batch,
-                                                            start_at, seconds, results))
+                                                            start_at, seconds, results, frozenset(), group))
             process.start()
             processes.append(process)
         own = os.getpid()
@@ -239,7 +259,9 @@ def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, sc
         directory.close()
         on_disk = {(r["worker"], r["step"]) for r in read_metrics(scratch / run_id) if r.get("kind") == kinds.STEP}
         delays.sort()
-        return {"workers": workers, "seconds": round(wall, 1), "batches_per_s": round(workers / FLUSH_INTERVAL_S),
+        return {"workers": workers, "group": group, "seconds": round(wall, 1),
+                "batches_per_s": round(workers / FLUSH_INTERVAL_S),
+                "messages_per_s": round(sum(-(-len(ranks) // group) for ranks in groups) / FLUSH_INTERVAL_S),
                 "records_per_batch": records_per_batch, "records_sent": total,
                 "records_lost": total - len(received), "records_lost_on_disk": total - len(on_disk),
                 "records_lost_hub": total - hub_steps, "drain_s": drained_s,
@@ -267,17 +289,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--steps-per-s", type=float, default=8.0, help="each emulated worker's steps a second")
     parser.add_argument("--emulators", type=int, default=4, help="processes the emulated workers share")
+    parser.add_argument("--group", type=int, default=1,
+                        help="workers whose batches reach the scheduler as one message (1: each its own)")
     parser.add_argument("--label", default="cpu-2core")
     arguments = parser.parse_args()
+    if arguments.group < 1:
+        parser.error(f"--group {arguments.group} is not allowed: expected 1 or more workers a message")
     counts = [int(n) for n in arguments.workers.split(",") if n]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for workers in counts:
-            row = measure(workers, arguments.seconds, arguments.steps_per_s, arguments.emulators, Path(scratch))
+            row = measure(workers, arguments.seconds, arguments.steps_per_s, arguments.emulators, Path(scratch),
+                          arguments.group)
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, one VM", "date": datetime.date.today().isoformat(),
               "steps_per_s": arguments.steps_per_s, "seconds": arguments.seconds, "emulators": arguments.emulators,
+              "group": arguments.group,
               "rows": rows}
     for row in rows:
         n = row["workers"]

@@ -138,3 +138,34 @@ def test_live_view_aggregates_loss_throughput_staleness_and_workers_exactly():
     ])
     assert [(m["step"], m["label"]) for m in markers] == [(10, "lr 0.02, period 6"), (40, "async -> average"),
                                                           (50, "paused")]
+
+
+def test_a_batches_message_expands_to_every_workers_records_and_its_lifecycle_messages():
+    from workbench import kinds
+    from workbench.metrics import messages_in
+
+    steps = {"kind": kinds.STEPS, "rank": 3, "records": [{"worker": 3, "step": 7}, {"worker": 3, "step": 8}]}
+    ended = {"kind": kinds.WORKER_FINISHED, "rank": 5, "worker": "tcp://w:5", "steps": 9}
+    both = {"kind": kinds.BATCHES, "messages": [steps, ended]}
+    assert messages_in(both) == [steps, ended] and messages_in(steps) == [steps]
+    assert expand(both) == expand(steps) + expand(ended)
+    assert [(r["kind"], r["worker"]) for r in expand(both)] == [("step", 3), ("step", 3), (kinds.WORKER_FINISHED, 5)]
+
+
+def test_the_runs_feed_takes_each_message_a_batches_message_carries(tmp_path):
+    from workbench import kinds
+    from workbench.feed import RunFeed
+    from workbench.rundir import RunDirectory, read_metrics
+
+    feed = RunFeed(MetricsTable())
+    directory = RunDirectory(tmp_path / "run")
+    feed.open(None, "run", directory)
+    feed.new_generation(0)
+    records = [{"worker": 3, "step": step, "time": 100.0 + step, "loss": 0.5, "samples": 32} for step in (7, 8)]
+    steps = {"kind": kinds.STEPS, "rank": 3, "records": records}
+    ended = {"kind": kinds.WORKER_FINISHED, "rank": 5, "worker": "tcp://w:5", "steps": 9, "generation": 0}
+    feed.on_message((0.0, {"kind": kinds.BATCHES, "messages": [steps, ended]}))
+    directory.close()
+    assert feed.finished_ranks == {5} and feed.table.steps_received == 2
+    assert [(r["kind"], r["worker"]) for r in read_metrics(tmp_path / "run")] == [
+        ("step", 3), ("step", 3), (kinds.WORKER_FINISHED, 5)]

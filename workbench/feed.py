@@ -16,7 +16,7 @@ from typing import Any
 
 from . import kinds
 from .health import LossWatch
-from .metrics import MetricsTable, expand, topic
+from .metrics import MetricsTable, expand, messages_in, topic
 from .registry import RUNS_TOPIC
 
 
@@ -46,7 +46,10 @@ class RunFeed:
 
     def on_message(self, event: tuple[float, dict[str, Any]]) -> None:
         # Runs on the client's IO-loop thread: store and append, nothing blocking.
-        _, message = event
+        for message in messages_in(event[1]):
+            self._on_one(message)
+
+    def _on_one(self, message: dict[str, Any]) -> None:
         records = expand(message)
         self.table.add(records)
         self.directory.append(records)

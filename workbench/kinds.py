@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # --- from the workers, on the run's topic ------------------------------------------------------------
 STEPS = "steps"  # a batch of step records from one worker (expanded to STEP records on arrival)
+BATCHES = "batches"  # several workers' messages forwarded as one (`messages`): fewer at the scheduler
 STEP = "step"  # one worker's step: the fields in metrics.STEP_FIELDS plus the strategy's own
 EVAL = "eval"  # a held-out evaluation by rank 0
 WORKER_STARTED = "worker-started"  # a rank began: address, pid, host, device

@@ -55,8 +55,16 @@ class MetricsSender:
             self._send({"kind": kinds.STEPS, "rank": self._worker, "records": records})
 
 
+def messages_in(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers' own messages in one event-log message: itself, or those a `batches` message carries
+    (several workers' messages forwarded together, so that the scheduler handles one message for them)."""
+    return list(message["messages"]) if message.get("kind") == kinds.BATCHES else [message]
+
+
 def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One event-log message to flat records, each with a `kind` ('step', 'eval', lifecycle kinds)."""
+    if message.get("kind") == kinds.BATCHES:
+        return [record for inner in message["messages"] for record in expand(inner)]
     if message.get("kind") == kinds.STEPS:
         return [{"kind": kinds.STEP, **record} for record in message["records"]]
     record = {key: value for key, value in message.items() if key != "rank"}
