@@ -16,7 +16,7 @@ from distributed import Client
 from distributed.comm import get_address_host
 
 from . import checkpoint as checkpoints
-from . import collectives
+from . import collectives, metrics_relay
 from .control import ControlState
 from .data import BuiltinData, DaskArrayData, DataSource
 from .errors import ClusterError, ConfigError
@@ -156,6 +156,9 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
     eval_payload = _scatter(client, prepared.evaluation, addresses[:1])
     launched = uuid.uuid4().hex[:6]  # task keys never repeat, even for a run resumed under its old id
+    relays = metrics_relay.relay_addresses(addresses, metrics_relay.relay_from())
+    if any(relays):
+        client.run(metrics_relay.install, workers=sorted({r for r in relays if r}))
     futures, starts = [], []
     for rank, address in enumerate(addresses):
         start_step = (ranks[rank]["step"] if same_world else
@@ -167,7 +170,7 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
             collective_timeout_s=options.collective_timeout_s, addresses=addresses,
             step_delay_s=options.step_delays.get(rank, 0.0), generation=generation,
             start_step=start_step, checkpoint_every_steps=options.checkpoint_every_steps,
-            applied_switch=state.switch_id, known_checkpoint=state.checkpoint_id,
+            applied_switch=state.switch_id, known_checkpoint=state.checkpoint_id, metrics_relay=relays[rank],
         )
         data = train_payload[address] if local else train_payload
         starts.append(start_step)

@@ -22,7 +22,7 @@ import torch
 from distributed import get_client, get_worker, secede
 from distributed.comm import get_address_host
 
-from . import collectives, kinds
+from . import collectives, kinds, metrics_relay
 from .averaging import fingerprint, flatten
 from .checkpoint import data_position
 from .control import ControlPoller
@@ -56,6 +56,7 @@ class WorkerTask:
     collective_timeout_s: float
     addresses: list[str] = dataclasses.field(default_factory=list)  # the run's workers, by rank
     metrics_interval_s: float = 0.25
+    metrics_relay: str | None = None  # the worker that relays this rank's metrics (metrics_relay.py); None: itself
     step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
     generation: int = 0  # which group of workers this is (see `ControlState.generation`)
     start_step: int = 0  # steps already made, when resuming from a checkpoint
@@ -71,8 +72,8 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     secede()
     worker = get_worker()
     allocator_tuned = configure_worker_for_training(worker)
-    sender = MetricsSender(lambda message: worker.log_event(topic(task.run_id), message), task.rank,
-                           task.metrics_interval_s)
+    send = _metrics_send(worker, task)
+    sender = MetricsSender(send, task.rank, task.metrics_interval_s)
     key = worker.get_current_task()
     # A task the scheduler no longer wants (its client is gone) is told so through its state here.
     poller = ControlPoller(get_client(), task.run_id, interval_s=CONTROL_POLL_S,
@@ -119,11 +120,20 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
         # out its whole timeout there, and the client counted it stuck and regrouped without it.
         try:
             sender.flush()
+            if isinstance(send, metrics_relay.RelaySender):
+                send.close()  # every message passed on before the rank's result reaches the client
         finally:
             try:
                 _leave(loop)
             finally:
                 poller.close()
+
+
+def _metrics_send(worker: Any, task: WorkerTask) -> Any:
+    """How this rank's metrics reach the scheduler: itself, or through its host's relay (metrics_relay)."""
+    if task.metrics_relay is None:
+        return lambda message: worker.log_event(topic(task.run_id), message)
+    return metrics_relay.RelaySender(worker, topic(task.run_id), task.metrics_relay)
 
 
 def _leave(loop: _Loop, abandoned: bool = False) -> None:
