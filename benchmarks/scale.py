@@ -22,8 +22,8 @@ hub's table after the last batch (a few seconds are allowed for the tail to arri
 
     python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--group 1] [--label cpu-2core]
 
-`--group G` sends every G workers' batches as one `batches` message, as a relay in front of the scheduler
-would (the workbench has none yet: this measures what one would save the scheduler).
+`--group G` sends every G workers' batches as one `batches` message, what a relay of G workers sends the
+scheduler (`workbench/metrics_relay.py`; the relays' own work, on the workers' hosts, is not emulated).
 
 The last line printed is one JSON object, also written to `benchmarks/results/scale-<label>.json`, with
 `records_lost_<N>`, `median_delay_s_<N>`, `p99_delay_s_<N>` and `scheduler_cores_<N>` for every N.

@@ -58,7 +58,7 @@ class MetricsSender:
 def messages_in(message: dict[str, Any]) -> list[dict[str, Any]]:
     """The workers' own messages in one event-log message: itself, or those a `batches` message carries
     (several workers' messages forwarded together, so that the scheduler handles one message for them)."""
-    return list(message["messages"]) if message.get("kind") == kinds.BATCHES else [message]
+    return message["messages"] if message.get("kind") == kinds.BATCHES else [message]
 
 
 def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
