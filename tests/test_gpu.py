@@ -196,3 +196,39 @@ def test_bf16_autocast_is_a_job_setting_that_trains(gpu_client, tmp_path):
     assert run.config["job"]["precision"] == "bf16"
     # The weights stay float32: bf16 is the forward pass's, not the model's.
     assert all(value.dtype == torch.float32 for value in run.model().state_dict().values())
+
+
+def text_job(**changes):
+    """The real workload at test size: gpt-test on a 2 MB slice of the standard library's source."""
+    fields = dict(model=workbench.gpt("gpt-test"),
+                  data=workbench.stdlib_text(context=64, eval_windows=64, limit_bytes=2_000_000),
+                  optimizer="adamw", lr=3e-3, batch_size=32, steps=240, device="cuda", precision="bf16",
+                  lr_schedule="cosine", warmup_steps=12, eval_every=120)
+    fields.update(changes)
+    return workbench.Job(**fields)
+
+
+def test_a_compiled_bf16_gpt_learns_the_text_on_cuda(gpu_client, tmp_path):
+    run = workbench.train(text_job(compile=True), "allreduce", client=gpu_client, run_dir=tmp_path)
+    assert run.wait(timeout=240) == "finished"
+    evaluations = run.events("eval")
+    final = [e for e in evaluations if e["final"]][-1]
+    # Bytes at random are 8 bits each; after 240 steps the model has learned the text's structure.
+    assert final["bits_per_char"] < 4.0, evaluations
+    assert 0.3 < final["token_accuracy"] <= 1.0
+    assert run.config["job"]["compile"] is True and run.config["data"]["corpus"] == "stdlib-text"
+    # The schedule ran on the GPU worker: warm-up, then cosine down to a tenth at the last step.
+    lrs = run.metrics.sort_values("step")["lr"].tolist()
+    assert lrs[0] == pytest.approx(3e-3 / 12) and max(lrs) == pytest.approx(3e-3)
+    assert lrs[-1] == pytest.approx(3e-4, rel=1e-3)
+    assert_gpu_metrics(run)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_trains_the_gpt_on_workers_sharing_a_gpu(shared_client, tmp_path, strategy):
+    run = workbench.train(text_job(steps=160, eval_every=None), strategy, client=shared_client, run_dir=tmp_path)
+    assert run.wait(timeout=240) == "finished"
+    final = [e for e in run.events("eval") if e["final"]][-1]
+    assert final["bits_per_char"] < 5.0, (strategy, final)
+    if strategy in ("async", "ssp"):
+        assert run.summary()["staleness"]["max"] >= 1

@@ -17,6 +17,7 @@ import ipywidgets as ipw
 import workbench
 from workbench import worker_spread
 from workbench.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
+from workbench.evaluation import held_out_text
 from workbench.lifecycle import FINISHED_STATES
 from workbench.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, get_strategy
@@ -89,6 +90,7 @@ class ControlPanel:
         self.links = ipw.HTML()
         self.worker_table = ipw.HTML()
         self.staleness_text = ipw.HTML()
+        self.held_out_text = ipw.HTML()  # the newest held-out evaluation, as fits the task
         self._build_plots()
 
         controls = ipw.VBox([
@@ -100,7 +102,7 @@ class ControlPanel:
         plots = ipw.HBox([self.loss_figure, self.throughput_figure,
                           ipw.VBox([self.staleness_figure, self.staleness_text])])
         self.widget = ipw.VBox([self.title, ipw.HBox([self.progress, self.progress_text]), controls, plots,
-                                self.worker_table, self.links, self.message])
+                                self.held_out_text, self.worker_table, self.links, self.message])
 
     def _build_plots(self) -> None:
         layout = {"width": "360px", "height": "260px"}
@@ -271,6 +273,9 @@ class ControlPanel:
         else:
             self.staleness_text.value = (f"staleness now <b>{staleness['recent_mean']:.2f}</b>, "
                                          f"max {staleness['max']}")
+        evaluations = s.get("evaluations") or []
+        if evaluations:
+            self.held_out_text.value = f"<small>{html.escape(held_out_text(evaluations[-1]))}</small>"
         self.worker_table.value = _worker_table(s["workers"])
         links = []
         if s["dashboard"]:

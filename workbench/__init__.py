@@ -9,15 +9,15 @@ This package is the engine; it never imports the UI (`widgets`). The UI register
 of a run and its `workbench dashboard` command through entry points (`extensions.py`).
 """
 from .cluster import client_session, connect, security_from_files, shutdown
-from .data import Splits, digits, synthetic
+from .data import Splits, digits, stdlib_text, synthetic
 from .errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError, WorkbenchError
 from .job import Job
-from .models import mlp
+from .models import GPT_SIZES, gpt, mlp
 from .run import Run, resume, train
 from .strategies import STRATEGIES
 
 __all__ = [
-    "STRATEGIES", "ClusterError", "ConfigError", "DivergenceError", "Job", "ResumeError", "Run", "Splits",
-    "TrainingError", "WorkbenchError", "client_session", "connect", "digits", "mlp", "resume",
-    "security_from_files", "shutdown", "synthetic", "train",
+    "GPT_SIZES", "STRATEGIES", "ClusterError", "ConfigError", "DivergenceError", "Job", "ResumeError", "Run", "Splits",
+    "TrainingError", "WorkbenchError", "client_session", "connect", "digits", "gpt", "mlp", "resume",
+    "security_from_files", "shutdown", "stdlib_text", "synthetic", "train",
 ]

@@ -20,12 +20,13 @@ from tqdm import tqdm
 from . import cluster as cluster_module
 from . import extensions, kinds
 from .autopilot import AUTO, START as AUTO_START
-from .checks import check_positive_int, check_positive_number
+from .checks import check_number, check_positive_int, check_positive_number
 from .arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
-from .data import as_source, resolve_dataset
+from .data import as_source, resolve_dataset, stdlib_text
 from .errors import ConfigError, WorkbenchError
 from .job import DEVICES, OPTIMIZERS, PRECISIONS, Job
-from .models import mlp
+from .models import GPT_SIZES, gpt, mlp
+from .schedule import SCHEDULES
 from . import checkpoint as checkpoints
 from .run import resume, train
 from .setting_flags import add_setting_flags, chosen_settings
@@ -51,11 +52,23 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
                           "0.001 with adam/adamw)")
     run.add_argument("--momentum", type=float, default=None,
                      help="SGD momentum (default: the strategy's: 0 for async/ssp, 0.9 for the others)")
-    run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    run.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                     help="default: adamw for a GPT, sgd for the MLP")
     run.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step on each worker")
     add_setting_flags(run)  # --period, --push-every, ...: one per setting of every strategy
-    run.add_argument("--dataset", default="digits", help="'digits', 'synthetic' or 'module:function'")
+    run.add_argument("--dataset", default="digits",
+                     help="'digits', 'synthetic', 'stdlib-text' (this Python's standard library source, as bytes, for "
+                          "a character-level GPT) or 'module:function'")
+    run.add_argument("--model", default=None, choices=["mlp", *GPT_SIZES],
+                     help="the MLP (default for classification data) or a GPT size (default gpt-mini for stdlib-text)")
+    run.add_argument("--context", type=_positive_int, default=None,
+                     help="stdlib-text: bytes per sample window (default: the GPT's positions)")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
+    run.add_argument("--lr-schedule", default=None, choices=SCHEDULES,
+                     help="learning rate over the run (default: cosine for a GPT, constant for the MLP)")
+    run.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                     help="steps of linear learning-rate warm-up (default: 5%% of the run for a GPT, 0 for the MLP)")
+    run.add_argument("--compile", action="store_true", help="compile the model's forward pass (torch.compile)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", default="auto", choices=DEVICES, help="where workers train (auto: CUDA where they have a GPU)")
     run.add_argument("--precision", default="float32", choices=PRECISIONS,
@@ -144,14 +157,37 @@ def _train(arguments: argparse.Namespace) -> int:
         return _with_client(arguments, lambda client: resume(arguments.resume, client=client,
                                                              workers=arguments.workers, **fault_tolerance,
                                                              **given))
-    splits = resolve_dataset(arguments.dataset, "--dataset")
-    features, classes = _shape_of(splits.train)
-    lr, momentum = _hyperparameters(arguments)
+    text = arguments.dataset == "stdlib-text"
+    model_name = arguments.model or ("gpt-mini" if text else "mlp")
+    if text and model_name == "mlp":
+        raise ConfigError("--model", model_name, f"a GPT size for stdlib-text ({', '.join(GPT_SIZES)})")
+    if arguments.context is not None and not text:
+        raise ConfigError("--context", arguments.context, "only with --dataset stdlib-text")
+    if text:
+        splits = stdlib_text(context=arguments.context or GPT_SIZES[model_name].positions)
+    else:
+        splits = resolve_dataset(arguments.dataset, "--dataset")
+    if model_name == "mlp":
+        features, classes = _shape_of(splits.train)
+        model = mlp(features, classes, arguments.hidden)
+    else:
+        model = gpt(model_name)
+    language_model = model_name != "mlp"
+    arguments.optimizer = arguments.optimizer or ("adamw" if language_model else "sgd")
+    lr, momentum = _hyperparameters(arguments, language_model)
+    unbounded = not (arguments.epochs or arguments.steps)
+    steps = DEFAULT_TEXT_STEPS if unbounded and text else arguments.steps
+    schedule = arguments.lr_schedule or ("cosine" if language_model else "constant")
+    warmup = arguments.warmup_steps
+    if warmup is None:
+        warmup = int(WARMUP_SHARE * (steps or 0)) if language_model and steps else 0
     job = Job(
-        model=mlp(features, classes, arguments.hidden), data=splits, optimizer=arguments.optimizer,
+        model=model, data=splits, optimizer=arguments.optimizer,
         momentum=momentum, batch_size=arguments.batch_size,
-        epochs=arguments.epochs if arguments.epochs or arguments.steps else DEFAULT_EPOCHS, steps=arguments.steps,
+        epochs=DEFAULT_EPOCHS if unbounded and not text else arguments.epochs, steps=steps,
         lr=lr, seed=arguments.seed, device=arguments.device, precision=arguments.precision,
+        lr_schedule=schedule, warmup_steps=warmup, compile=arguments.compile,
+        eval_every=max(steps // TEXT_EVALUATIONS, 1) if text and steps else None,
     )
     settings = chosen_settings(arguments)
     job.prepare()  # refuse bad values before a cluster is started
@@ -162,20 +198,25 @@ def _train(arguments: argparse.Namespace) -> int:
                                                         **fault_tolerance, **exports, **settings))
 
 
-def _hyperparameters(arguments: argparse.Namespace) -> tuple[float, float]:
-    """The learning rate and momentum asked for, else the strategy's own defaults (Adam's lr for adam)."""
+def _hyperparameters(arguments: argparse.Namespace, language_model: bool = False) -> tuple[float, float]:
+    """The learning rate and momentum asked for, else the strategy's own defaults (Adam's lr for adam; a
+    GPT's lr with AdamW, nanoGPT's for its small character-level models)."""
     suggested = suggested_sgd(AUTO_START if arguments.strategy == AUTO else arguments.strategy)
     if arguments.optimizer != "sgd":
         if arguments.momentum:
             raise ConfigError("--momentum", arguments.momentum, "only with --optimizer sgd",
                               f"{arguments.optimizer} keeps moment estimates of its own")
-        return (arguments.lr if arguments.lr is not None else ADAM_LR), 0.0
+        return (arguments.lr if arguments.lr is not None else GPT_LR if language_model else ADAM_LR), 0.0
     lr = arguments.lr if arguments.lr is not None else suggested["lr"]
     return lr, (arguments.momentum if arguments.momentum is not None else suggested["momentum"])
 
 
 ADAM_LR = 1e-3
+GPT_LR = 3e-3  # AdamW on gpt-mini (nanoGPT uses 1e-3 at 10M parameters; smaller models take more)
 DEFAULT_EPOCHS = 5
+DEFAULT_TEXT_STEPS = 300  # stdlib-text: steps per worker unless --steps or --epochs (an epoch is ~1,400 steps)
+WARMUP_SHARE = 0.05  # a GPT's default warm-up, as a share of the run's steps
+TEXT_EVALUATIONS = 10  # stdlib-text: held-out evaluations over the run (the curve, not only the end)
 
 
 def _with_client(arguments: argparse.Namespace, start: Any) -> int:
@@ -256,8 +297,10 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
     for text in summary.get("warnings", []):
         print(f"warning: {text}")
     print(f"held-out loss: {result['loss']:.4f}")
-    if "accuracy" in result:
-        print(f"held-out accuracy: {result['accuracy']:.4f}")
+    for key, label in (("accuracy", "accuracy"), ("bits_per_char", "bits per character"),
+                       ("token_accuracy", "next-token accuracy")):
+        if key in result:
+            print(f"held-out {label}: {result[key]:.4f}")
     print(f"run directory: {run.directory.path}")
 
 
@@ -284,3 +327,5 @@ def _flag_type(convert: Any, check: Any, allowed: str) -> Any:
 
 _positive_int = _flag_type(int, check_positive_int, "an integer >= 1")
 _positive_float = _flag_type(float, check_positive_number, "a finite number > 0")
+_non_negative_int = _flag_type(int, lambda name, value: check_number(name, value, minimum=0, integer=True),
+                               "an integer >= 0")

@@ -1,7 +1,7 @@
 """Training data as the workbench sees it: sources that are described on the client and loaded on workers.
 
 Accepted forms (see `as_source`): a torch `Dataset`, a pair of tensors or NumPy arrays, a pair of Dask
-arrays, a built-in name (`digits`, `synthetic`) or `module:function`. Built-in data is generated on the
+arrays, a built-in name (`digits`, `synthetic`, `stdlib-text`) or `module:function`. Built-in data is generated on the
 workers themselves, so nothing travels; other data is scattered once to the run's workers.
 """
 from __future__ import annotations
@@ -15,8 +15,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from .checks import check_positive_int
 from .errors import ConfigError
 from .sharding import batches, local_shuffle, shard_indices
+from .text import TextWindows, load_corpus, windows
 
 
 class Batches(Protocol):
@@ -75,8 +77,15 @@ class BuiltinData:
     def __len__(self) -> int:
         return len(self.load())
 
-    def load(self) -> TensorData:
+    def load(self) -> TensorData | TextWindows:
         return _load_builtin(self.name, self.options)[self.split]
+
+    def describe(self) -> dict[str, Any]:
+        """What the run's config records of this data: its name and options (and a corpus's identity)."""
+        described: dict[str, Any] = {"name": self.name, **dict(self.options)}
+        if self.name == "stdlib-text":
+            described.update(load_corpus(dict(self.options)["limit_bytes"]).info)
+        return described
 
 
 @dataclasses.dataclass
@@ -90,7 +99,7 @@ class DaskArrayData:
         return int(self.inputs.shape[0])
 
 
-DataSource = TensorData | DatasetData | BuiltinData | DaskArrayData
+DataSource = TensorData | DatasetData | BuiltinData | DaskArrayData | TextWindows
 
 
 @dataclasses.dataclass
@@ -126,12 +135,29 @@ def synthetic(
     return Splits(BuiltinData("synthetic", "train", options), BuiltinData("synthetic", "eval", options))
 
 
-BUILTIN_DATASETS = {"digits": digits, "synthetic": synthetic}
+def stdlib_text(context: int = 128, eval_windows: int = 256, limit_bytes: int | None = None) -> Splits:
+    """The running Python's standard library source as bytes, for a character-level language model
+    (`workbench.text`): samples are windows of `context` bytes, targets the same shifted by one; the
+    held-out split is `eval_windows` windows spread over the held-out files. `limit_bytes` keeps only the
+    first bytes of the training text (a small slice for tests)."""
+    check_positive_int("context", context)
+    check_positive_int("eval_windows", eval_windows)
+    if limit_bytes is not None:
+        check_positive_int("limit_bytes", limit_bytes)
+    options = (("context", context), ("eval_windows", eval_windows), ("limit_bytes", limit_bytes))
+    return Splits(BuiltinData("stdlib-text", "train", options), BuiltinData("stdlib-text", "eval", options))
+
+
+BUILTIN_DATASETS = {"digits": digits, "synthetic": synthetic, "stdlib-text": stdlib_text}
 
 
 @functools.lru_cache(maxsize=4)
-def _load_builtin(name: str, options: tuple[tuple[str, Any], ...]) -> dict[str, TensorData]:
+def _load_builtin(name: str, options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     kwargs = dict(options)
+    if name == "stdlib-text":
+        corpus = load_corpus(kwargs["limit_bytes"])
+        return {"train": windows(corpus.train, kwargs["context"]),
+                "eval": windows(corpus.eval, kwargs["context"], kwargs["eval_windows"])}
     if name == "digits":
         from sklearn.datasets import load_digits
 
@@ -188,7 +214,7 @@ def resolve_dataset(spec: str, parameter: str = "dataset") -> Splits:
 def as_source(data: Any, parameter: str) -> DataSource:
     """Turn any accepted data form into a `DataSource`, or raise `ConfigError` naming `parameter`."""
     allowed = "a torch Dataset, a pair (inputs, targets) of tensors, NumPy or Dask arrays, or a dataset name"
-    if isinstance(data, (TensorData, DatasetData, BuiltinData, DaskArrayData)):
+    if isinstance(data, (TensorData, DatasetData, BuiltinData, DaskArrayData, TextWindows)):
         return data
     if isinstance(data, Dataset):
         if not hasattr(data, "__len__"):

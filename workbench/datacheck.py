@@ -16,6 +16,7 @@ from torch import nn
 
 from .data import BuiltinData, DaskArrayData, DatasetData, TensorData, _as_tensor
 from .errors import ConfigError
+from .text import VOCABULARY, TextWindows
 
 CLASS_INDEX_LOSSES = ("cross_entropy", "nll")  # losses whose targets are class indices
 
@@ -34,6 +35,8 @@ def check_data(parameter: str, source: Any, model: nn.Module, loss_name: Any,
     if length == 0:
         raise ConfigError(parameter, "a dataset of 0 samples", "at least one sample",
                           "The data is empty: check how it was loaded or filtered")
+    if isinstance(source, TextWindows):
+        _check_text(parameter, source, model, batch_size)
     inputs, targets = _first_batch(parameter, source, min(batch_size, length))
     if isinstance(source, TensorData):  # whole tensors are at hand: check every value
         _check_finite(parameter, "inputs", source.inputs)
@@ -125,7 +128,10 @@ def _check_class_targets(parameter: str, loss_name: str, targets: torch.Tensor, 
     if outputs.dim() < 2:
         raise ConfigError("model", f"outputs of shape {tuple(outputs.shape)}",
                           f"one score per class (shape (batch, classes)) for the loss {loss_name!r}")
-    classes = outputs.shape[1]
+    # A sequence model's scores come classes last, one row per position (see job.cross_entropy).
+    # (`targets` may be every sample's, `outputs` one batch's: the positions are compared, not the batch.)
+    sequence = outputs.dim() >= 3 and outputs.dim() == targets.dim() + 1 and outputs.shape[1:-1] == targets.shape[1:]
+    classes = outputs.shape[-1] if sequence else outputs.shape[1]
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= classes:
         offending = targets[(targets < 0) | (targets >= classes)]
@@ -133,6 +139,24 @@ def _check_class_targets(parameter: str, loss_name: str, targets: torch.Tensor, 
                           f"labels 0..{classes - 1}: the model has {classes} outputs",
                           f"{len(offending)} labels are outside, e.g. {sorted(set(offending[:5].tolist()))}: "
                           "give the model as many outputs as there are classes, or fix the labels")
+
+
+def _check_text(parameter: str, source: TextWindows, model: nn.Module, batch_size: int) -> None:
+    """Windows of text against a language model: a context within its positions, bytes within its
+    vocabulary, and at least one batch of windows."""
+    positions = getattr(model, "positions", None)
+    if positions is not None and source.context > positions:
+        raise ConfigError("context", source.context, f"at most {positions}, the model's positions",
+                          "Give the dataset a shorter context (stdlib_text(context=...), --context) or the model "
+                          "more positions (a larger size)")
+    vocabulary = getattr(model, "vocabulary", None)
+    if vocabulary is not None and vocabulary < VOCABULARY:
+        raise ConfigError("model", f"a vocabulary of {vocabulary}", f"a vocabulary of at least {VOCABULARY}",
+                          "The text is read as bytes: build the model with vocabulary=256")
+    if parameter == "data" and len(source) < batch_size:
+        raise ConfigError(parameter, f"{len(source)} windows of {source.context} bytes",
+                          f"at least one batch of windows (batch_size={batch_size})",
+                          "Give more text (a larger limit_bytes), a shorter context or a smaller batch")
 
 
 def _first_linear_width(model: nn.Module) -> int | None:

@@ -17,9 +17,20 @@ from .data import DataSource, Splits, as_source, resolve_dataset
 from .datacheck import check_data
 from .checks import check_number
 from .errors import ConfigError
+from .schedule import SCHEDULES
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over class scores: torch's own for (batch, classes, ...) scores; for a sequence model's
+    (batch, length, classes) scores against (batch, length) targets (classes last, as every language model
+    gives them), over every position. (Scores in torch's layout whose second dimension equals the targets'
+    last would read as a sequence's: give such a model its own loss function.)"""
+    if outputs.dim() >= 3 and outputs.shape[:-1] == targets.shape:
+        return nn.functional.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+    return nn.functional.cross_entropy(outputs, targets)
+
 
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "cross_entropy": nn.functional.cross_entropy,
+    "cross_entropy": cross_entropy,
     "mse": nn.functional.mse_loss,
     "nll": nn.functional.nll_loss,
 }
@@ -60,6 +71,14 @@ class Job:
     """'cpu', 'cuda', or 'auto' (CUDA where the worker has a GPU)."""
     precision: str = "float32"
     """'float32', or 'bf16': forward pass and loss under bfloat16 autocast (weights, gradients, optimizer float32)."""
+    lr_schedule: str = "constant"
+    """'constant', or 'cosine': decay to `min_lr_fraction` of the learning rate at the last step (after warm-up)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up at the start."""
+    min_lr_fraction: float = 0.1
+    """Where 'cosine' ends, as a share of the learning rate."""
+    compile: bool = False
+    """Compile the model's forward pass with torch.compile on every worker."""
 
     def prepare(self) -> PreparedJob:
         """Validate every field on the client; return the normalised job or raise `ConfigError`."""
@@ -119,6 +138,14 @@ class Job:
             check_number("eval_every", self.eval_every, minimum=1, integer=True)
         if self.device not in DEVICES:
             raise ConfigError("device", self.device, f"one of {list(DEVICES)}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError("lr_schedule", self.lr_schedule, f"one of {list(SCHEDULES)}")
+        check_number("warmup_steps", self.warmup_steps, minimum=0, integer=True)
+        check_number("min_lr_fraction", self.min_lr_fraction, minimum=0.0, integer=False)
+        if self.min_lr_fraction > 1:
+            raise ConfigError("min_lr_fraction", self.min_lr_fraction, "a number from 0 to 1")
+        if not isinstance(self.compile, bool):
+            raise ConfigError("compile", self.compile, "True or False")
         if self.precision not in PRECISIONS:
             raise ConfigError("precision", self.precision, f"one of {list(PRECISIONS)}",
                               "bf16 autocasts the forward pass; weights and the optimizer stay float32")
@@ -126,7 +153,8 @@ class Job:
         if evaluation is not None:
             check_data("eval_data", evaluation, sample_model, self.loss, loss_function(self), self.batch_size)
         # device='cuda' is checked on the workers: they may have GPUs the client lacks.
-        return PreparedJob(self, train, evaluation, n_parameters)
+        return PreparedJob(self, train, evaluation, n_parameters,
+                           train.describe() if hasattr(train, "describe") else None)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for the run directory and the UI."""
@@ -148,6 +176,7 @@ class PreparedJob:
     train: DataSource
     evaluation: DataSource | None
     n_parameters: int
+    data_info: dict[str, Any] | None = None  # a built-in dataset's name and options (a corpus: its identity)
 
     def steps_per_epoch(self, shard_samples: int) -> int:
         return shard_samples // self.job.batch_size

@@ -146,7 +146,9 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     check_batch_fits_shard(prepared.job.batch_size, shard_samples, world_size)
     total_steps = prepared.total_steps(shard_samples)
     settings = make_settings(state.strategy, state.settings)
-    job = dataclasses.replace(job, lr=state.lr if state.lr is not None else job.lr)
+    # The data reaches the workers scattered once (or generated there), never inside every task: a job
+    # holding tensors would otherwise travel in the graph, once per rank (Dask's "large graph" warning).
+    job = dataclasses.replace(job, lr=state.lr if state.lr is not None else job.lr, data=None, eval_data=None)
     ranks = (checkpoint or {}).get("ranks") or []
     same_world = len(ranks) == world_size
     steps_per_epoch = shard_samples // prepared.job.batch_size

@@ -165,7 +165,7 @@ class MetricsTable:
             loss_time = _means(self._loss_by_second)
             staleness_time = _means(self._staleness_by_second)
             divergence = _means(self._divergence_by_step)
-            evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "final")}
+            evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "bits_per_char", "token_accuracy", "final")}
                            for r in self._other if r.get("kind") == kinds.EVAL]
             warnings = [r["message"] for r in self._other if r.get("kind") == kinds.TRAINING_WARNING]
             auto = [r for r in self._other if r.get("kind") in (kinds.AUTO_DECISION, kinds.AUTO_PINNED, kinds.AUTO_ON)]
@@ -280,10 +280,14 @@ WORKER_STATES = {kinds.WORKER_STARTED: "running", kinds.PAUSED: "paused", kinds.
 
 
 def best_metric(evaluations: list[dict[str, Any]]) -> tuple[str, float] | None:
-    """The best held-out accuracy (or, without one, the lowest held-out loss) of a run's evaluations."""
+    """The best held-out accuracy (a language model's: the fewest bits per character; without either, the
+    lowest held-out loss) of a run's evaluations."""
     accuracies = [e["accuracy"] for e in evaluations if e.get("accuracy") is not None]
     if accuracies:
         return "accuracy", max(accuracies)
+    bits = [e["bits_per_char"] for e in evaluations if e.get("bits_per_char") is not None]
+    if bits:
+        return "bits/char", min(bits)
     losses = [e["loss"] for e in evaluations if e.get("loss") is not None]
     return ("held-out loss", min(losses)) if losses else None
 

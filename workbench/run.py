@@ -280,7 +280,7 @@ class Run(RunViews):
         self.config = {
             "run_id": self.run_id, "strategy": self.strategy, "settings": dataclasses.asdict(settings),
             "job": prepared.job.describe(), "workers": addresses, "world_size": len(addresses),
-            "parameters": prepared.n_parameters, "scheduler": client.scheduler.address,
+            "parameters": prepared.n_parameters, "data": prepared.data_info, "scheduler": client.scheduler.address,
             "started": time.time(), "owner": self.owner, "directory": str(self.directory.path.resolve()),
             "collective_timeout_s": self.collective_timeout_s,
             "fault_tolerance": {"checkpoint_every_steps": self.checkpoint_every_steps,

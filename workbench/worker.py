@@ -31,6 +31,7 @@ from .errors import DivergenceError
 from .evaluation import evaluate
 from .job import Job, autocast, loss_function
 from .metrics import MetricsSender, topic
+from .schedule import lr_factor
 from .strategies import StrategySettings, TrainingContext, get_strategy
 from .worker_checkpoint import LoopCheckpoints
 from .worker_control import CONTROL_AGREEMENT_S, CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
@@ -211,6 +212,9 @@ class _Loop:
         shard = self._shard(train_data, device)
         evaluation = eval_data.load() if (eval_data is not None and task.rank == 0) else None
         model = job.model().to(device)
+        # The compiled module shares the model's parameters: strategies, checkpoints and the final weights
+        # keep working on `model` itself; only the forward pass goes through the compiled graph.
+        self.forward = torch.compile(model) if getattr(job, "compile", False) else model
         context = self.context = TrainingContext(
             task.rank, task.world_size, device, model, None, task.collective_timeout_s, task.run_id,
             task.addresses, job, interrupted=self.control.waiting, abandoned=self.control.superseded, comm=self.comm)
@@ -272,9 +276,10 @@ class _Loop:
             time.sleep(self.task.step_delay_s)
         inputs, targets = shard.data.batch(indices)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        self.apply_lr()
         context.optimizer.zero_grad(set_to_none=not self.strategy.keeps_gradient_buffers)
         with autocast(self.task.job, device):
-            loss = loss_fn(context.model(inputs), targets)
+            loss = loss_fn(self.forward(inputs), targets)
         loss.backward()
         report = self.strategy.after_backward(context)
         context.optimizer.step()
@@ -305,6 +310,15 @@ class _Loop:
             record.update(self._gpu.sample(device))
         self.sender.record(record)
         self.step += 1
+
+    def apply_lr(self) -> None:
+        """The run's learning rate (the job's, or as last set while it runs) times the job's schedule at
+        this step, on every parameter group of the optimizer in use."""
+        job = self.task.job
+        lr = self.control.base_lr * lr_factor(self.step, self.task.total_steps, getattr(job, "lr_schedule", "constant"),
+                                              getattr(job, "warmup_steps", 0), getattr(job, "min_lr_fraction", 0.1))
+        for group in self.context.optimizer.param_groups:
+            group["lr"] = lr
 
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
                   epoch: int, final: bool = False) -> None:

@@ -48,6 +48,8 @@ class ControlPoint:
         self.agreement_s = agreement_s  # 0: agree at every step (in one process, where steps take microseconds)
         self.control = ControlState(lr=task.job.lr, strategy=task.strategy, settings=dataclasses.asdict(task.settings))
         self.applied_switch = task.applied_switch  # switches made so far (the same on every rank)
+        # The run's learning rate as last agreed; the loop scales it by the job's schedule at every step.
+        self.base_lr = task.job.lr
         self.pending: SwitchRequest | None = None  # a switch agreed on, made when the step reaches `switch_at`
         self.switch_at = 0
         # Checkpoints asked for by the client: the newest id agreed on, and the step it is taken at.
@@ -177,10 +179,9 @@ class ControlPoint:
         """Apply an agreed learning rate and live settings; returns the (maybe realigned) interval."""
         loop, strategy = self.loop, self.loop.strategy
         changes: dict[str, Any] = {}
-        optimizer = loop.context.optimizer
-        if control.lr is not None and optimizer.param_groups[0]["lr"] != control.lr:
-            for group in optimizer.param_groups:
-                group["lr"] = control.lr
+        if control.lr is not None and control.lr != self.base_lr:
+            self.base_lr = control.lr
+            loop.apply_lr()
             changes["lr"] = control.lr
         if control.strategy == strategy.name and control.switch_id == self.applied_switch:
             live = {k: v for k, v in control.settings.items()
@@ -276,8 +277,8 @@ class ControlPoint:
         new = new_class(settings)
         context.optimizer = new.local_optimizer(context.job, context.model.parameters())
         if self.control.lr is not None:
-            for group in context.optimizer.param_groups:
-                group["lr"] = self.control.lr
+            self.base_lr = self.control.lr
+        loop.apply_lr()
         new.carry_in(context, carried)
         new.setup(context)
         lap("setup")

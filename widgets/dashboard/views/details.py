@@ -57,7 +57,9 @@ class RunDetails:
         send("loss-time", dict(view["loss_time"]))
         send_markers(self.screen, view)
         evaluations = [e for e in view["evaluations"] if e.get("step") is not None]
-        metric = "accuracy" if any(e.get("accuracy") is not None for e in evaluations) else "loss"
+        # What fits the task: a classifier's accuracy, a language model's bits per character, else the loss.
+        metric = next((name for name in ("accuracy", "bits_per_char")
+                       if any(e.get(name) is not None for e in evaluations)), "loss")
         origin = view["origin"] or 0
         send("evaluations", {"step": [e["step"] for e in evaluations], "value": [e.get(metric) for e in evaluations],
                              "elapsed": [e["time"] - origin if e.get("time") else float("nan") for e in evaluations]})

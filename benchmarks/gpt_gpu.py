@@ -1,0 +1,240 @@
+"""The real workload on a GPU: the character-level GPT on the standard library's source, compiled, in bf16.
+
+Two parts, one result file:
+
+1. **One worker against a plain compiled loop** of the same model (`--size`, default gpt-medium, 86M
+   parameters, context 1024), on the same data and batch, AdamW, bf16 autocast, `torch.compile` on the
+   forward pass in both. Each loop reads its loss every step, as the workbench does for its metrics. The
+   plain loop runs first in a process of its own (it also fills the compile cache the worker then reads);
+   the workbench runs one worker on `dask_cuda.LocalCUDACluster`. Throughput is tokens/s after the warm-up
+   steps (which include compiling); model FLOPs utilisation is nanoGPT's: the model's training FLOPs per
+   token (6 per parameter plus attention, `GPT.flops_per_token`) times tokens/s, over the GPU's dense bf16
+   peak. `one_worker_vs_plain` is the ratio of the two rates (target >= 0.97).
+2. **Every strategy** for `--strategy-steps` steps on two workers sharing the GPU (`--strategy-size`,
+   default gpt-small, not compiled: the compile time of each worker would dwarf the few hundred steps),
+   each with its held-out loss curve (every `--eval-every` steps), samples/s, and staleness; the run
+   directories are kept (`--runs`) for the dashboard's picture.
+
+    python benchmarks/gpt_gpu.py --out benchmarks/results/gpu-nvidia-h200/gpt.json [--runs DIR]
+
+On a machine without a GPU, `--device cpu --size gpt-test --strategy-size gpt-test` runs the same code
+small (how the script is checked before it takes GPU time).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workbench  # noqa: E402
+from throughput import spawn_and_sum, steady_rate  # noqa: E402
+from workbench.job import cross_entropy  # noqa: E402
+from workbench.models import GPT_SIZES  # noqa: E402
+from workbench.sharding import shard_indices  # noqa: E402
+
+# Dense bf16 peak (no sparsity) by the name CUDA reports: NVIDIA's data sheets, SXM parts.
+BF16_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+# Every strategy, with settings that a user of each would start from on this model.
+STRATEGY_RUNS = [
+    ("allreduce", "allreduce", {}),
+    ("average p16", "average", {"period": 16}),
+    ("average p64 outer nesterov", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    ("async p4", "async", {"push_every": 4}),
+    ("ssp p4", "ssp", {"push_every": 4}),
+    ("easgd p16", "easgd", {"period": 16}),
+    ("auto", "auto", {}),
+]
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((peak for key, peak in BF16_PEAK_FLOPS.items() if key in device_name), None)
+
+
+def text_job(arguments, size: str, steps: int, compile_: bool, eval_every: int | None, batch: int | None = None,
+             **changes) -> workbench.Job:
+    fields = dict(model=workbench.gpt(size), data=workbench.stdlib_text(context=arguments.context or
+                                                                        GPT_SIZES[size].positions,
+                                                                        eval_windows=arguments.eval_windows),
+                  optimizer="adamw", lr=arguments.lr, batch_size=batch or arguments.batch, steps=steps,
+                  device=arguments.device, precision="bf16" if arguments.device == "cuda" else "float32",
+                  compile=compile_, eval_every=eval_every)
+    fields.update(changes)
+    return workbench.Job(**fields)
+
+
+# --- part 1: one worker against the plain compiled loop ----------------------------------------------------
+
+
+def _plain_process(arguments, results):
+    """The plain compiled loop: what a user writes by hand for one GPU."""
+    job = text_job(arguments, arguments.size, arguments.warmup + arguments.steps, True, None)
+    prepared = job.prepare()
+    device = torch.device(arguments.device)
+    data = prepared.train.load().to(device)
+    torch.manual_seed(0)
+    model = job.model().to(device)
+    forward = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    order = shard_indices(len(data), 1, 0, 0, job.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.precision == "bf16")
+    for step in range(job.steps):
+        if step == arguments.warmup:
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            started = time.perf_counter()
+        inputs, targets = data.batch(order[step * job.batch_size:(step + 1) * job.batch_size])
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = cross_entropy(forward(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        float(loss.detach())
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    results.put(arguments.steps * job.batch_size / (time.perf_counter() - started))
+
+
+def compiled_one_worker(arguments, result):
+    context = arguments.context or GPT_SIZES[arguments.size].positions
+    model = workbench.gpt(arguments.size)()
+    flops_per_token = model.flops_per_token(context)
+    parameters = sum(p.numel() for p in model.parameters())
+    began = time.monotonic()
+    plain = spawn_and_sum(_plain_process, [(arguments,)], mp.get_context("spawn"))
+    plain_s = time.monotonic() - began
+    print(f"plain compiled loop: {plain:,.1f} samples/s ({plain_s:.0f} s with compiling)", flush=True)
+    kind = "cuda" if arguments.device == "cuda" else "cpu"
+    job = text_job(arguments, arguments.size, arguments.warmup + arguments.steps, True, None)
+    began = time.monotonic()
+    with workbench.client_session(kind=kind, workers=1, dashboard_address=":0") as client:
+        run = workbench.train(job, "allreduce", client=client, run_dir=arguments.runs)
+        status = run.wait(timeout=arguments.timeout)
+        assert status == "finished", status
+        rate, _ = steady_rate(run, arguments.warmup)
+        steady = run.metrics[run.metrics["step"] >= arguments.warmup]
+        device_name = (run.config["devices"][0] or {}).get("name", arguments.device)
+        final = next((e for e in run.events("eval") if e.get("final")), None)  # worker 0's, on its GPU
+    print(f"workbench, 1 worker, compiled: {rate:,.1f} samples/s ({time.monotonic() - began:.0f} s)", flush=True)
+    peak = peak_flops(device_name)
+    tokens = lambda samples_per_s: samples_per_s * context  # noqa: E731
+    mfu = (lambda samples_per_s: flops_per_token * tokens(samples_per_s) / peak) if peak else (lambda _: None)
+    result["compiled_one_worker"] = {
+        "model": arguments.size, "parameters": parameters, "context": context, "batch": arguments.batch,
+        "flops_per_token": flops_per_token, "bf16_peak_flops": peak, "device": device_name,
+        "warmup_steps": arguments.warmup, "timed_steps": arguments.steps,
+        "plain_samples_per_s": plain, "plain_tokens_per_s": tokens(plain), "plain_mfu": mfu(plain),
+        "workbench_samples_per_s": rate, "workbench_tokens_per_s": tokens(rate), "workbench_mfu": mfu(rate),
+        "workbench_compute_ms": 1e3 * steady["compute_s"].median(),
+        "workbench_step_ms": 1e3 * arguments.batch / rate,
+        "plain_step_ms": 1e3 * arguments.batch / plain,
+        "workbench_held_out": final, "run": run.run_id,
+    }
+    result["one_worker_vs_plain"] = rate / plain
+    result["plain_mfu"], result["workbench_mfu"] = mfu(plain), mfu(rate)
+
+
+# --- part 2: every strategy on workers sharing the GPU -------------------------------------------------------
+
+
+def every_strategy(arguments, result):
+    kind = "cuda" if arguments.device == "cuda" else "cpu"
+    cells = result.setdefault("strategies", {})
+    chosen = [c for c in STRATEGY_RUNS if not arguments.only or any(o in c[0] for o in arguments.only.split(","))]
+    with workbench.client_session(kind=kind, workers=arguments.workers, dashboard_address=":0") as client:
+        for name, strategy, settings in chosen:
+            job = text_job(arguments, arguments.strategy_size, arguments.strategy_steps, False,
+                           arguments.eval_every, arguments.strategy_batch, lr=arguments.strategy_lr, lr_schedule="cosine",
+                           warmup_steps=max(arguments.strategy_steps // 20, 1))
+            began = time.monotonic()
+            try:
+                run = workbench.train(job, strategy, client=client, run_dir=arguments.runs, **settings)
+                status = run.wait(timeout=arguments.timeout)
+            except Exception as error:  # recorded, and the next strategy still measured
+                cells[name] = {"strategy": strategy, "settings": settings, "error": f"{type(error).__name__}: {error}"}
+                print(f"{name}: failed: {error}", flush=True)
+                continue
+            rate, extras = steady_rate(run, min(20, arguments.strategy_steps // 4))
+            origin = run.metrics["time"].min()
+            curve = [{"step": e["step"], "seconds": e["time"] - origin, "loss": e["loss"],
+                      "bits_per_char": e.get("bits_per_char")} for e in run.events("eval")]
+            final = next((e for e in reversed(run.events("eval")) if e.get("final")), curve[-1] if curve else {})
+            staleness = run.summary().get("staleness", {})
+            cells[name] = {
+                "strategy": strategy, "settings": settings, "status": status, "run": run.run_id,
+                "samples_per_s": rate, "wall_s": time.monotonic() - began,
+                "held_out_loss": final.get("loss"), "bits_per_char": final.get("bits_per_char"),
+                "token_accuracy": final.get("token_accuracy"),
+                "staleness_mean": staleness.get("mean"), "staleness_max": staleness.get("max"),
+                "bytes_sent_per_step": extras.get("bytes_per_step"), "curve": curve,
+                "strategies_used": sorted(set(run.metrics["strategy"])),
+            }
+            print(f"{name}: {status}, {rate:,.0f} samples/s, held-out loss {final.get('loss', float('nan')):.4f}, "
+                  f"staleness {staleness.get('mean')}, {time.monotonic() - began:.0f} s", flush=True)
+    losses = {n: c["held_out_loss"] for n, c in cells.items() if c.get("held_out_loss") is not None}
+    if "allreduce" in losses:
+        result["held_out_loss_vs_allreduce"] = {n: loss / losses["allreduce"] for n, loss in losses.items()}
+
+
+def commit() -> dict:
+    """The commit measured: from git where the tree is a clone, else as the caller says (COMMIT=...)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, check=True).stdout.strip())
+        return {"commit": head, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": os.environ.get("COMMIT", "unknown"), "dirty": os.environ.get("DIRTY", "unknown")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--size", default="gpt-medium", choices=list(GPT_SIZES), help="part 1's model")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step per worker")
+    parser.add_argument("--context", type=int, default=None, help="default: the model's positions")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--warmup", type=int, default=20, help="part 1: untimed steps (compiling included)")
+    parser.add_argument("--steps", type=int, default=100, help="part 1: timed steps")
+    parser.add_argument("--strategy-size", default="gpt-small", choices=list(GPT_SIZES))
+    parser.add_argument("--strategy-steps", type=int, default=300)
+    parser.add_argument("--strategy-batch", type=int, default=32, help="part 2: sequences per step per worker")
+    parser.add_argument("--strategy-lr", type=float, default=1e-3, help="part 2: AdamW's (nanoGPT's for gpt-small)")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-windows", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=2, help="part 2: workers sharing the GPU")
+    parser.add_argument("--only", default=None, help="part 2: only the strategy runs whose name has one of these")
+    parser.add_argument("--parts", default="1,2")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--runs", default="/tmp/gpt-gpu-runs", help="where the runs' directories are written")
+    parser.add_argument("--out", required=True)
+    arguments = parser.parse_args()
+    result = {"benchmark": "gpt_gpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": platform.node(), "torch": torch.__version__, **commit(),
+              "settings": {k: v for k, v in vars(arguments).items() if k not in ("out", "runs")}}
+    if arguments.device == "cuda":
+        result["device"] = torch.cuda.get_device_name(0)
+    out = Path(arguments.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts = {"1": compiled_one_worker, "2": every_strategy}
+    for part in arguments.parts.split(","):
+        try:
+            parts[part](arguments, result)
+        except Exception as error:  # the other part still runs; the failure is in the result
+            result.setdefault("errors", {})[part] = f"{type(error).__name__}: {error}"
+            print(f"part {part} failed: {error}", flush=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, default=str))
+
+
+if __name__ == "__main__":
+    main()
