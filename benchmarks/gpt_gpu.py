@@ -155,13 +155,16 @@ def every_strategy(arguments, result):
             job = text_job(arguments, arguments.strategy_size, arguments.strategy_steps, False,
                            arguments.eval_every, arguments.strategy_batch, lr=arguments.strategy_lr, lr_schedule="cosine",
                            warmup_steps=max(arguments.strategy_steps // 20, 1))
-            began = time.monotonic()
+            began, run = time.monotonic(), None
             try:
                 run = workbench.train(job, strategy, client=client, run_dir=arguments.runs, **settings)
                 status = run.wait(timeout=arguments.timeout)
             except Exception as error:  # recorded, and the next strategy still measured
                 cells[name] = {"strategy": strategy, "settings": settings, "error": f"{type(error).__name__}: {error}"}
                 print(f"{name}: failed: {error}", flush=True)
+                if run is not None and not run.done:
+                    run.stop()
+                    run.wait(timeout=60)
                 continue
             rate, extras = steady_rate(run, min(20, arguments.strategy_steps // 4))
             origin = run.metrics["time"].min()
