@@ -104,49 +104,55 @@ def _plain_process(arguments, results):
     results.put(arguments.steps * job.batch_size / (time.perf_counter() - started))
 
 
-def compiled_one_worker(arguments, result):
+def compiled_one_worker(arguments, result, save):
     context = arguments.context or GPT_SIZES[arguments.size].positions
     model = workbench.gpt(arguments.size)()
     flops_per_token = model.flops_per_token(context)
     parameters = sum(p.numel() for p in model.parameters())
-    began = time.monotonic()
-    plain = spawn_and_sum(_plain_process, [(arguments,)], mp.get_context("spawn"))
-    plain_s = time.monotonic() - began
-    print(f"plain compiled loop: {plain:,.1f} samples/s ({plain_s:.0f} s with compiling)", flush=True)
     kind = "cuda" if arguments.device == "cuda" else "cpu"
     job = text_job(arguments, arguments.size, arguments.warmup + arguments.steps, True, None)
-    began = time.monotonic()
-    with workbench.client_session(kind=kind, workers=1, dashboard_address=":0") as client:
-        run = workbench.train(job, "allreduce", client=client, run_dir=arguments.runs)
-        status = run.wait(timeout=arguments.timeout)
-        assert status == "finished", status
-        rate, _ = steady_rate(run, arguments.warmup)
-        steady = run.metrics[run.metrics["step"] >= arguments.warmup]
-        device_name = (run.config["devices"][0] or {}).get("name", arguments.device)
-        final = next((e for e in run.events("eval") if e.get("final")), None)  # worker 0's, on its GPU
-    print(f"workbench, 1 worker, compiled: {rate:,.1f} samples/s ({time.monotonic() - began:.0f} s)", flush=True)
-    peak = peak_flops(device_name)
-    tokens = lambda samples_per_s: samples_per_s * context  # noqa: E731
-    mfu = (lambda samples_per_s: flops_per_token * tokens(samples_per_s) / peak) if peak else (lambda _: None)
-    result["compiled_one_worker"] = {
+    cell = result["compiled_one_worker"] = {
         "model": arguments.size, "parameters": parameters, "context": context, "batch": arguments.batch,
-        "flops_per_token": flops_per_token, "bf16_peak_flops": peak, "device": device_name,
-        "warmup_steps": arguments.warmup, "timed_steps": arguments.steps,
-        "plain_samples_per_s": plain, "plain_tokens_per_s": tokens(plain), "plain_mfu": mfu(plain),
-        "workbench_samples_per_s": rate, "workbench_tokens_per_s": tokens(rate), "workbench_mfu": mfu(rate),
-        "workbench_compute_ms": 1e3 * steady["compute_s"].median(),
-        "workbench_step_ms": 1e3 * arguments.batch / rate,
-        "plain_step_ms": 1e3 * arguments.batch / plain,
-        "workbench_held_out": final, "run": run.run_id,
+        "flops_per_token": flops_per_token, "warmup_steps": arguments.warmup, "timed_steps": arguments.steps,
+        "plain_samples_per_s": [], "workbench_samples_per_s": [], "workbench_compute_ms": [], "runs": [],
     }
-    result["one_worker_vs_plain"] = rate / plain
-    result["plain_mfu"], result["workbench_mfu"] = mfu(plain), mfu(rate)
+    # Interleaved repetitions (plain, workbench, plain, ...): the GPU's clocks drift over minutes.
+    for repeat in range(arguments.repeats):
+        began = time.monotonic()
+        plain = spawn_and_sum(_plain_process, [(arguments,)], mp.get_context("spawn"))
+        cell["plain_samples_per_s"].append(plain)
+        print(f"[{repeat}] plain compiled loop: {plain:,.1f} samples/s ({time.monotonic() - began:.0f} s with "
+              "compiling)", flush=True)
+        began = time.monotonic()
+        with workbench.client_session(kind=kind, workers=1, dashboard_address=":0") as client:
+            run = workbench.train(job, "allreduce", client=client, run_dir=arguments.runs)
+            status = run.wait(timeout=arguments.timeout)
+            assert status == "finished", status
+            rate, _ = steady_rate(run, arguments.warmup)
+            steady = run.metrics[run.metrics["step"] >= arguments.warmup]
+            cell["device"] = (run.config["devices"][0] or {}).get("name", arguments.device)
+            cell["workbench_held_out"] = next((e for e in run.events("eval") if e.get("final")), None)
+        cell["workbench_samples_per_s"].append(rate)
+        cell["workbench_compute_ms"].append(1e3 * steady["compute_s"].median())
+        cell["runs"].append(run.run_id)
+        print(f"[{repeat}] workbench, 1 worker, compiled: {rate:,.1f} samples/s ({time.monotonic() - began:.0f} s)",
+              flush=True)
+        plain, rate = (statistics.median(cell[k]) for k in ("plain_samples_per_s", "workbench_samples_per_s"))
+        peak = peak_flops(cell["device"])
+        mfu = (lambda samples_per_s: flops_per_token * context * samples_per_s / peak) if peak else (lambda _: None)
+        cell.update(bf16_peak_flops=peak, repeats_done=repeat + 1,
+                    plain_tokens_per_s=plain * context, workbench_tokens_per_s=rate * context,
+                    plain_step_ms=1e3 * arguments.batch / plain, workbench_step_ms=1e3 * arguments.batch / rate)
+        result.update(one_worker_vs_plain=rate / plain, plain_mfu=mfu(plain), workbench_mfu=mfu(rate),
+                      one_worker_vs_plain_each=[w / p for w, p in zip(cell["workbench_samples_per_s"],
+                                                                      cell["plain_samples_per_s"])])
+        save()
 
 
 # --- part 2: every strategy on workers sharing the GPU -------------------------------------------------------
 
 
-def every_strategy(arguments, result):
+def every_strategy(arguments, result, save):
     kind = "cuda" if arguments.device == "cuda" else "cpu"
     cells = result.setdefault("strategies", {})
     chosen = [c for c in STRATEGY_RUNS if not arguments.only or any(o in c[0] for o in arguments.only.split(","))]
@@ -181,6 +187,7 @@ def every_strategy(arguments, result):
                 "bytes_sent_per_step": extras.get("bytes_per_step"), "curve": curve,
                 "strategies_used": sorted(set(run.metrics["strategy"])),
             }
+            save()
             print(f"{name}: {status}, {rate:,.0f} samples/s, held-out loss {final.get('loss', float('nan')):.4f}, "
                   f"staleness {staleness.get('mean')}, {time.monotonic() - began:.0f} s", flush=True)
     losses = {n: c["held_out_loss"] for n, c in cells.items() if c.get("held_out_loss") is not None}
@@ -189,7 +196,10 @@ def every_strategy(arguments, result):
 
 
 def commit() -> dict:
-    """The commit measured: from git where the tree is a clone, else as the caller says (COMMIT=...)."""
+    """The commit measured: as the caller says (COMMIT=..., DIRTY=...: the device machine's copy of the tree
+    is not the clone it came from), else from git."""
+    if os.environ.get("COMMIT"):
+        return {"commit": os.environ["COMMIT"], "dirty": os.environ.get("DIRTY", "unknown")}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -203,11 +213,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--size", default="gpt-medium", choices=list(GPT_SIZES), help="part 1's model")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step per worker")
+    parser.add_argument("--batch", type=int, default=32, help="part 1: sequences per step")
     parser.add_argument("--context", type=int, default=None, help="default: the model's positions")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=20, help="part 1: untimed steps (compiling included)")
     parser.add_argument("--steps", type=int, default=100, help="part 1: timed steps")
+    parser.add_argument("--repeats", type=int, default=2, help="part 1: interleaved repetitions (medians)")
     parser.add_argument("--strategy-size", default="gpt-small", choices=list(GPT_SIZES))
     parser.add_argument("--strategy-steps", type=int, default=300)
     parser.add_argument("--strategy-batch", type=int, default=32, help="part 2: sequences per step per worker")
@@ -228,14 +239,15 @@ def main() -> None:
         result["device"] = torch.cuda.get_device_name(0)
     out = Path(arguments.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda: out.write_text(json.dumps(result, indent=1, default=str))  # noqa: E731 - what was measured survives a cut
     parts = {"1": compiled_one_worker, "2": every_strategy}
     for part in arguments.parts.split(","):
         try:
-            parts[part](arguments, result)
+            parts[part](arguments, result, save)
         except Exception as error:  # the other part still runs; the failure is in the result
             result.setdefault("errors", {})[part] = f"{type(error).__name__}: {error}"
             print(f"part {part} failed: {error}", flush=True)
-        out.write_text(json.dumps(result, indent=1, default=str))
+        save()
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, default=str))
 
 

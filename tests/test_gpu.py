@@ -139,7 +139,10 @@ def test_a_live_switch_from_cuda_allreduce_to_async_and_back(shared_client, tmp_
         run.switch("allreduce")
         wait_until(lambda: len([e for e in run.events("switched") if e["switch_id"] == 2]) == workers, timeout_s=90)
         back = [e for e in run.events("switched") if e["switch_id"] == 2][0]["step"]
-        wait_until(lambda: steps_done() >= back + 150, timeout_s=90)  # trained on, to a held-out check
+        # Back on all-reduce the run learns again: a held-out evaluation (every epoch, of the synchronised
+        # weights) reaches 0.9. How many steps that takes depends on how far the async phase, with the
+        # job's momentum 0.9 on stale pushes, threw the weights: 150 steps were not always enough (0.79).
+        wait_until(lambda: any(e["step"] > back and e["accuracy"] >= 0.9 for e in run.events("eval")), timeout_s=90)
     finally:
         run.stop()
     assert run.wait(120) == "stopped"
@@ -150,7 +153,6 @@ def test_a_live_switch_from_cuda_allreduce_to_async_and_back(shared_client, tmp_
     # Back on all-reduce every worker starts from the server's weights: equal fingerprints.
     after = [e for e in run.events("switched") if e["switch_id"] == 2]
     assert len({e["weights_after"] for e in after}) == 1
-    assert run.evaluate()["accuracy"] >= 0.9
 
 
 def dropout_model():
