@@ -32,6 +32,19 @@ def test_a_run_sitting_at_chance_is_not_learning_once_a_quarter_is_done():
     assert warning["kind"] == WARNING_KIND
     assert warning["step"] == 100  # a quarter of 400 steps
     assert "not learning" in warning["message"] and "momentum 0-0.4" in warning["message"]
+    assert warning["strategy"] == "async" and warning["message"].startswith("under async, the training loss")
+
+
+def test_the_warning_names_the_strategy_training_when_it_fires():
+    watch = LossWatch(total_steps=100, window=10, strategy="allreduce")  # switched to average since
+    warnings = []
+    for step, loss in enumerate([5.5] + [5.4] * 99):
+        for worker in range(2):
+            warning = watch.observe({"worker": worker, "step": step, "loss": loss,
+                                     "strategy": "allreduce" if step < 20 else "average"})
+            warnings += [warning] if warning else []
+    assert [(w["reason"], w["strategy"]) for w in warnings] == [("not-learning", "average")]
+    assert warnings[0]["message"].startswith("under average, the training loss is still 5.4")
 
 
 def test_a_climbing_loss_is_said_once_and_stalling_is_judged_after_the_minimum():

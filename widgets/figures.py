@@ -97,3 +97,34 @@ def run_figure(run: Any, title: str | None = None) -> StaticFigure:
     loss.legend(fontsize=8)
     figure.suptitle(title or f"{run.run_id} ({run.strategy}, {run.status})")
     return StaticFigure(figure)
+
+
+def held_out_figure(result: dict[str, Any], against: str = "seconds", title: str | None = None) -> StaticFigure:
+    """Held-out loss of every configuration against wall time (`against="seconds"`) or samples seen
+    (`"samples"`), one panel per condition: the picture of a fidelity result (`benchmarks/fidelity.py`),
+    read from its cells. Seeds of one configuration are drawn alike; DDP, the reference, in black."""
+    cells = [c for c in result["cells"] if c.get("curve")]
+    conditions = list(dict.fromkeys(c["condition"] for c in cells))
+    configs = list(dict.fromkeys(c["config"] for c in cells))
+    colours = {name: "#000000" if name == "ddp" else COLOURS[i % len(COLOURS)]
+               for i, name in enumerate(n for n in configs if n != "ddp")} | {"ddp": "#000000"}
+    styles = {name: ("-" if i < len(COLOURS) else "--") for i, name in enumerate(n for n in configs if n != "ddp")}
+    figure = Figure(figsize=(4.6 * max(len(conditions), 1), 4.2), layout="constrained")
+    panels = figure.subplots(1, max(len(conditions), 1), squeeze=False)[0]
+    target = result.get("target_loss")
+    for axes, condition in zip(panels, conditions):
+        for name in configs:
+            for index, cell in enumerate(c for c in cells if c["config"] == name and c["condition"] == condition):
+                xs = [p[against] if against == "seconds" else p["step"] * cell["samples_per_step"]
+                      for p in cell["curve"]]
+                axes.plot(xs, [p["loss"] for p in cell["curve"]], color=colours[name], marker=".",
+                          linestyle=styles.get(name, "-"), linewidth=1.6 if name == "ddp" else 1.2,
+                          label=name if index == 0 else None)
+        if target is not None:
+            axes.axhline(target, color="#888888", linestyle=":", linewidth=1)
+        axes.set(title=condition, xlabel="seconds since the first step" if against == "seconds" else "samples seen",
+                 ylabel="held-out loss (nats per byte)")
+    panels[0].legend(fontsize=7)
+    if title:
+        figure.suptitle(title)
+    return StaticFigure(figure)

@@ -52,22 +52,24 @@ class LossWatch:
         if baseline is None or len(self._recent) < self._recent.maxlen:
             return None
         recent = sum(self._recent) / len(self._recent)
+        strategy = record.get("strategy") or self.strategy  # the one training now (a switch may have changed it)
         if "loss-climbing" not in self.raised and recent > max(CLIMB_FACTOR * baseline, baseline + CLIMB_MARGIN):
-            return self._warn("loss-climbing", step, recent,
+            return self._warn("loss-climbing", step, recent, strategy,
                               f"the training loss climbed to {recent:.3g} (mean of the last {len(self._recent)} "
                               f"records) at step {step}, from {baseline:.3g} at the start")
         stall_after = max(STALL_AFTER_STEPS, STALL_AFTER_FRACTION * self.total_steps)
         if "not-learning" not in self.raised and step - self.first_step >= stall_after \
                 and recent >= STALL_FRACTION * baseline:
-            return self._warn("not-learning", step, recent,
+            return self._warn("not-learning", step, recent, strategy,
                               f"the training loss is still {recent:.3g} at step {step}, where it started "
                               f"({baseline:.3g}): the run is not learning")
         return None
 
-    def _warn(self, reason: str, step: int, recent: float, what: str) -> dict[str, Any]:
+    def _warn(self, reason: str, step: int, recent: float, strategy: str, what: str) -> dict[str, Any]:
         self.raised.add(reason)
+        named = f"under {strategy}, {what}" if strategy else what[:1].upper() + what[1:]
         return {"kind": kinds.TRAINING_WARNING, "reason": reason, "step": step, "loss": recent, "baseline": self.baseline,
-                "message": f"{what}. {self.hint()}"}
+                "strategy": strategy, "message": f"{named}. {self.hint()}"}
 
     def hint(self) -> str:
         """What usually helps, for this strategy."""

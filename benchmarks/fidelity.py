@@ -1,0 +1,354 @@
+"""Fidelity: what each strategy costs in model quality, judged on the real workload across emulated hosts.
+
+The job: the character-level GPT (gpt-mini, 0.84M parameters, context 128) on the standard library's
+source (`stdlib-text`), AdamW at 3e-3 with 5% warm-up and cosine decay, batch 32 windows per worker, the
+same budget of steps per worker for every run (`--steps`, so every run sees the same samples), a
+held-out evaluation on worker 0 every 64 steps (a multiple of every averaging period, so `average` is
+judged on its averaged weights) and at the end. Two worker hosts on the lab (`workbench/lab.py`, host 0
+the scheduler and client), under the conditions: links unlimited, 100 Mbit/s, 20 Mbit/s (`tbf`, no added
+delay), and one slow host (host 2 at half a core, link unlimited).
+
+The reference is PyTorch DDP on the same two hosts (one process each, gloo, the same model, optimizer,
+schedule, shards and evaluations). Then the workbench configurations (`CONFIGS`), and `auto`. Each run
+records held-out loss against wall time (from its first step) and against samples seen: curves, not only
+end points. Computed in code:
+
+- `sync_gap_p64_outer`: held-out loss of `average` p64 with the outer Nesterov step against DDP's, at
+  equal samples (the end of the budget), as a fraction of DDP's loss, on the unlimited link (target <= 0.02);
+- `best_time_to_target_vs_ddp_100mbit`: time to the held-out loss DDP reaches at the end of its budget on
+  the unlimited link, the best configuration against DDP, both at 100 Mbit/s (target <= 0.3);
+- `auto_time_to_target_vs_best_fixed`: the worst over the conditions of `auto`'s time to that target
+  against the best fixed configuration's in the same condition (target <= 1.15).
+Where a run never reaches the target its time is None, and a ratio over it is None (said, not guessed).
+
+`--quick` (about 10-15 minutes on the 2-core VM): DDP, `average` p64 with the outer step, `async` p4 and
+`auto`, at 100 Mbit/s only, 256 steps; its target is DDP's own loss at the end of its budget there.
+The whole grid (every configuration under every condition, `--seeds` seeds for DDP, `average` p64 outer,
+the best at 100 Mbit/s and `auto`) takes several hours on the 2-core VM; run it where nothing else runs.
+
+    python benchmarks/fidelity.py [--quick] [--steps 384] [--seeds 3] [--conditions unlimited,100mbit]
+                                  [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+MODEL, CONTEXT, BATCH, LR, EVAL_EVERY, EVAL_WINDOWS = "gpt-mini", 128, 32, 3e-3, 64, 128
+WARMUP_SHARE = 0.05
+CONDITIONS = ("unlimited", "100mbit", "20mbit", "slow-host")
+DDP_PORT = 29700
+
+# (name, strategy, settings): DDP is the reference run beside these.
+CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("allreduce", "allreduce", {}),
+    ("average p16", "average", {"period": 16}),
+    ("average p64", "average", {"period": 64}),
+    ("average p16 outer", "average", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    ("average p64 outer", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    ("average p64 outer overlap bf16", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                                   "overlap": True, "wire_dtype": "bf16"}),
+    ("async p4", "async", {"push_every": 4}),
+    ("ssp p4", "ssp", {"push_every": 4}),
+    ("easgd p16", "easgd", {"period": 16}),
+    ("async topk1% p4", "async", {"push_every": 4, "compression": "topk", "topk_ratio": 0.01}),
+    ("auto", "auto", {}),
+]
+QUICK = ("average p64 outer", "async p4", "auto")
+SEEDED = ("average p64 outer", "auto")  # beside DDP and the best at 100 Mbit/s: --seeds seeds each
+
+
+def job_fields(steps: int, seed: int) -> dict[str, Any]:
+    """The one job every run trains (DDP's processes build the same from it)."""
+    return dict(optimizer="adamw", lr=LR, batch_size=BATCH, steps=steps, seed=seed, lr_schedule="cosine",
+                warmup_steps=max(1, int(WARMUP_SHARE * steps)), eval_every=EVAL_EVERY)
+
+
+def text_data():
+    import workbench
+
+    return workbench.stdlib_text(context=CONTEXT, eval_windows=EVAL_WINDOWS)
+
+
+# --- PyTorch DDP on the lab's worker hosts -----------------------------------------------------------------
+
+
+def _ddp_rank(spec: dict[str, Any]) -> None:
+    """One DDP rank, spawned on a lab host: the same job as the workbench's, its curve to spec['out']."""
+    import torch.distributed as dist
+
+    import workbench
+    from workbench.evaluation import evaluate
+    from workbench.job import cross_entropy
+    from workbench.schedule import lr_factor
+    from workbench.sharding import batches, shard_indices
+
+    torch.set_num_threads(1)
+    rank, world_size, steps, seed = spec["rank"], spec["world_size"], spec["steps"], spec["seed"]
+    fields = job_fields(steps, seed)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        splits = text_data()
+        data = splits.train.load()
+        held_out = splits.eval.load() if rank == 0 else None
+        torch.manual_seed(seed)
+        model = torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        curve, step, epoch = [], 0, 0
+        dist.barrier()
+        started = time.time()
+        while step < steps:
+            for indices in batches(shard_indices(len(data), world_size, rank, epoch, seed), BATCH):
+                if step >= steps:
+                    break
+                for group in optimizer.param_groups:
+                    group["lr"] = LR * lr_factor(step, steps, "cosine", fields["warmup_steps"])
+                inputs, targets = data.batch(indices)
+                optimizer.zero_grad(set_to_none=True)
+                loss = cross_entropy(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                float(loss.detach())
+                step += 1
+                if held_out is not None and (step % EVAL_EVERY == 0 or step == steps):
+                    result = evaluate(model.module, held_out, cross_entropy)
+                    curve.append({"step": step, "seconds": time.time() - started, "loss": result["loss"],
+                                  "bits_per_char": result["bits_per_char"]})
+            epoch += 1
+        dist.barrier()
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float) -> dict[str, Any]:
+    counter[0] += 1
+    out = scratch / f"ddp-{counter[0]}.json"
+    hosts = list(range(1, lab.size))
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": lab.addresses[hosts[0]],
+           "MASTER_PORT": str(DDP_PORT + counter[0] % 200), "OMP_NUM_THREADS": "1"}
+    processes = []
+    for rank, host in enumerate(hosts):
+        spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "out": str(out)}
+        argv = [sys.executable, str(HERE), "--ddp-rank", json.dumps(spec)]
+        processes.append((host, lab.spawn(host, argv, f"ddp-{counter[0]}-{rank}", env=env)))
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    for host, process in processes:
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - over its time: every rank is killed
+            for _, other in processes:
+                other.kill()
+            failed = f"DDP over {timeout_s:.0f} s"
+        lab.processes.remove((host, process))
+        if process.returncode not in (0, None) and failed is None:
+            failed = f"DDP rank on host {host} exited {process.returncode}: {lab.tail(f'ddp-{counter[0]}-0')}"
+    if failed or not out.exists():
+        return {"error": failed or "DDP wrote no result"}
+    result = json.loads(out.read_text())
+    result["samples_per_step"] = BATCH * len(hosts)
+    return result
+
+
+# --- the workbench -----------------------------------------------------------------------------------------------
+
+
+def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str, Any], steps: int, seed: int,
+                  timeout_s: float) -> dict[str, Any]:
+    import workbench
+
+    job = workbench.Job(model=workbench.gpt(MODEL), data=text_data(), **job_fields(steps, seed))
+    run = workbench.train(job, strategy, client=client, run_dir=scratch / "runs", checkpoint_every_s=None, **settings)
+    try:
+        status = run.wait(timeout=timeout_s)
+    except Exception as error:  # noqa: BLE001 - over its time: stopped, the curve so far kept
+        status = f"stopped after {timeout_s:.0f} s ({type(error).__name__})"
+        run.stop()
+        run.wait(timeout=300)
+    frame = run.metrics
+    started = float(frame["time"].min()) if len(frame) else time.time()
+    # One point a step; at the last, the final evaluation (after the strategy's last synchronisation).
+    by_step = {}
+    for event in run.events("eval"):
+        if event.get("final") or event["step"] not in by_step:
+            by_step[event["step"]] = event
+    curve = [{"step": e["step"], "seconds": e["time"] - started, "loss": e["loss"],
+              "bits_per_char": e.get("bits_per_char")} for _, e in sorted(by_step.items())]
+    summary = run.summary()
+    return {"status": status, "curve": curve, "wall_s": float(frame["time"].max()) - started if len(frame) else None,
+            "samples_per_step": BATCH * summary["workers"], "samples_per_s": summary.get("samples_per_s"),
+            "staleness_mean": summary.get("staleness", {}).get("mean"),
+            "strategies_used": sorted(set(frame["strategy"])) if len(frame) else [],
+            "bytes_sent_per_step": summary.get("bytes_sent_per_step")}
+
+
+# --- the figures, computed -------------------------------------------------------------------------------------
+
+
+def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Seconds until the held-out loss first reaches `target` (linear between evaluations), or None."""
+    previous = None
+    for point in curve:
+        if point["loss"] <= target:
+            if previous is None:
+                return point["seconds"]
+            share = (previous["loss"] - target) / (previous["loss"] - point["loss"])
+            return previous["seconds"] + share * (point["seconds"] - previous["seconds"])
+        previous = point
+    return None
+
+
+def final_loss(cell: dict[str, Any]) -> float | None:
+    return cell["curve"][-1]["loss"] if cell.get("curve") else None
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+    """The issue's three keys (and what they are made of) from the raw cells."""
+    def of(config: str, condition: str) -> list[dict[str, Any]]:
+        return [c for c in cells if c["config"] == config and c["condition"] == condition and c.get("curve")]
+
+    reference = "100mbit" if quick else "unlimited"
+    ddp_final = median_or_none([final_loss(c) for c in of("ddp", reference)])
+    result: dict[str, Any] = {"target_loss": ddp_final, "target_from": f"DDP at the end of its budget, {reference}"}
+    if ddp_final is None:
+        return result
+    outer = median_or_none([final_loss(c) for c in of("average p64 outer", "unlimited")])
+    result["sync_gap_p64_outer"] = (outer - ddp_final) / ddp_final if outer is not None and not quick else None
+    times: dict[str, dict[str, float | None]] = {}
+    for condition in sorted({c["condition"] for c in cells}):
+        for config in sorted({c["config"] for c in cells if c["condition"] == condition}):
+            times.setdefault(condition, {})[config] = median_or_none(
+                [time_to(c["curve"], ddp_final) for c in of(config, condition)])
+    result["time_to_target_s"] = times
+    at_100 = times.get("100mbit", {})
+    fixed_100 = {k: v for k, v in at_100.items() if k not in ("ddp", "auto") and v is not None}
+    if fixed_100 and at_100.get("ddp"):
+        best = min(fixed_100, key=fixed_100.get)
+        result.update(best_at_100mbit=best, best_time_to_target_vs_ddp_100mbit=fixed_100[best] / at_100["ddp"])
+    elif fixed_100:
+        result["best_time_to_target_vs_ddp_100mbit"] = None  # DDP did not reach it there
+    ratios = {}
+    for condition, row in times.items():
+        fixed = [v for k, v in row.items() if k not in ("ddp", "auto") and v is not None]
+        if "auto" in row and fixed:
+            ratios[condition] = row["auto"] / min(fixed) if row["auto"] is not None else None
+    result["auto_vs_best_fixed_by_condition"] = ratios
+    present = [v for v in ratios.values() if v is not None]
+    result["auto_time_to_target_vs_best_fixed"] = (max(present) if present and len(present) == len(ratios)
+                                                  else None)
+    return result
+
+
+def set_condition(lab: Any, condition: str) -> None:
+    if condition == "slow-host":
+        lab.set_rate(None)
+        lab.set_cpu(1, 1.0)
+        lab.set_cpu(2, 0.5)
+    else:
+        for host in range(1, lab.size):
+            lab.set_cpu(host, None)
+        lab.set_rate(None if condition == "unlimited" else condition)
+
+
+def plan(arguments: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any], int]]:
+    """(condition, name, strategy, settings, seed) in the order measured."""
+    conditions = ["100mbit"] if arguments.quick else [c for c in arguments.conditions.split(",") if c]
+    configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK)
+               and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
+    cells = []
+    for condition in conditions:
+        for seed in range(1 if arguments.quick else arguments.seeds):
+            cells.append((condition, "ddp", "ddp", {}, seed))
+            for name, strategy, settings in configs:
+                if seed == 0 or name in SEEDED:
+                    cells.append((condition, name, strategy, settings, seed))
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="steps per worker (default 384; --quick 256)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--conditions", default=",".join(CONDITIONS))
+    parser.add_argument("--only", default=None)
+    parser.add_argument("--cell-timeout-s", type=float, default=1800)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--ddp-rank", default=None, help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.ddp_rank is not None:
+        _ddp_rank(json.loads(arguments.ddp_rank))
+        return
+    from gpt_gpu import commit
+    from network import machine
+    from workbench import lab as labs
+
+    reason = labs.available()
+    if reason:
+        sys.exit(f"benchmarks/fidelity.py needs the emulated-host lab: {reason}")
+    steps = arguments.steps or (256 if arguments.quick else 384)
+    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / ("fidelity-quick.json" if arguments.quick
+                                                                          else "fidelity.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {
+        "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **commit(), "machine": machine(),
+        "settings": {"model": MODEL, "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
+                     "budget": f"{steps} steps per worker ({steps * BATCH * 2} samples) for every run",
+                     "eval_every": EVAL_EVERY, "eval_windows": EVAL_WINDOWS, "quick": arguments.quick,
+                     "slow_host": "host 2 at 0.5 core, host 1 at 1.0, unlimited link", "worker_hosts": 2},
+        "cells": [],
+    }
+    scratch = Path(tempfile.mkdtemp(prefix="workbench-fidelity-"))
+    began = time.time()
+    counter = [0]
+    with labs.Lab(hosts=3) as lab:
+        lab.start_cluster()
+        client = lab.connect(workers=2)
+        document["corpus"] = text_data().train.describe()
+        for condition, name, strategy, settings, seed in plan(arguments):
+            lab.restore_workers(client, [1, 2])
+            set_condition(lab, condition)
+            cell_began = time.time()
+            if strategy == "ddp":
+                cell = run_ddp(lab, scratch, steps, seed, counter, arguments.cell_timeout_s)
+            else:
+                try:
+                    cell = run_workbench(client, scratch, strategy, settings, steps, seed, arguments.cell_timeout_s)
+                except Exception as error:  # noqa: BLE001 - recorded; the grid goes on
+                    cell = {"error": f"{type(error).__name__}: {error}"}
+            set_condition(lab, "unlimited")
+            cell.update(condition=condition, config=name, strategy=strategy, settings=settings, seed=seed,
+                        cell_s=time.time() - cell_began)
+            document["cells"].append(cell)
+            end = cell.get("error") or (f"held-out loss {final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
+                                        if cell.get("curve") else "no evaluation")
+            print(f"[{(time.time() - began) / 60:5.1f} min] {condition:>9} {name:<32} seed {seed}: {end}", flush=True)
+            document.update(headline(document["cells"], arguments.quick), minutes=(time.time() - began) / 60)
+            out.write_text(json.dumps(document, indent=1, default=str) + "\n")  # what was measured survives a cut
+    print(json.dumps({k: v for k, v in document.items() if k not in ("cells", "machine", "settings", "corpus")},
+                     default=str))
+
+
+if __name__ == "__main__":
+    main()
