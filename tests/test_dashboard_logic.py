@@ -100,7 +100,8 @@ def test_views_aggregate_time_split_staleness_per_worker_and_divergence_exactly(
     assert view["divergence"] == {"step": [0], "divergence": [0.5]}
     rows = {row["worker"]: row for row in view["workers"]}
     assert rows[1]["gpu_memory_mb"] == 12.5 and rows[1]["divergence"] == 0.5 and rows[0]["staleness"] == 3
-    assert view["evaluations"] == [{"step": 1, "time": 11.5, "loss": 0.7, "accuracy": 0.8, "final": None}]
+    assert view["evaluations"] == [{"step": 1, "time": 11.5, "loss": 0.7, "accuracy": 0.8, "bits_per_char": None,
+                                    "token_accuracy": None, "final": None}]
 
 
 def _write_run(directory, run_id, owner, records, summary=None):
