@@ -28,6 +28,7 @@ the best at 100 Mbit/s and `auto`) takes several hours on the 2-core VM; run it 
 
     python benchmarks/fidelity.py [--quick] [--steps 384] [--seeds 3] [--conditions unlimited,100mbit]
                                   [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
+    python benchmarks/fidelity.py --draw benchmarks/results/cpu-2core/fidelity-quick.json docs/fidelity-quick.png
 """
 from __future__ import annotations
 
@@ -259,6 +260,18 @@ def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
     return result
 
 
+def draw(result_path: Path, picture: Path) -> None:
+    """The picture of a result, for the README and the notebooks."""
+    sys.path.insert(0, str(HERE.parent.parent))
+    from widgets.figures import held_out_figure
+
+    result = json.loads(result_path.read_text())
+    title = (f"{MODEL} on stdlib-text, 2 worker hosts, {result['settings']['budget']} "
+             f"(commit {result['commit'][:7]}, {result['date'][:10]})")
+    held_out_figure(result, title=title).save(picture)
+    print(f"drew {picture}")
+
+
 def set_condition(lab: Any, condition: str) -> None:
     if condition == "slow-host":
         lab.set_rate(None)
@@ -294,10 +307,15 @@ def main() -> None:
     parser.add_argument("--only", default=None)
     parser.add_argument("--cell-timeout-s", type=float, default=1800)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--draw", nargs=2, metavar=("RESULT", "PNG"), default=None,
+                        help="only draw a result's held-out loss against wall time (widgets.figures), no measuring")
     parser.add_argument("--ddp-rank", default=None, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.ddp_rank is not None:
         _ddp_rank(json.loads(arguments.ddp_rank))
+        return
+    if arguments.draw:
+        draw(Path(arguments.draw[0]), Path(arguments.draw[1]))
         return
     from gpt_gpu import commit
     from network import machine
