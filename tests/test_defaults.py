@@ -46,7 +46,7 @@ def test_a_run_that_does_not_learn_says_so_live_and_in_the_summary(client, tmp_p
                             "--lr", "0.1", "--momentum", "0.9")
     assert code == 0, err
     assert float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1)) < 0.5
-    assert "warning: the training loss" in out and "momentum 0-0.4" in out
+    assert "warning: under async, the training loss" in out and "momentum 0-0.4" in out
     records = read_metrics(next(tmp_path.iterdir()))
     warnings = [r for r in records if r["kind"] == TRAINING_WARNING]
     steps = [r for r in records if r["kind"] == "step"]
@@ -70,7 +70,7 @@ def test_the_notebook_panel_shows_the_warning(client, tmp_path):
         assert run.wait(timeout=150) == "finished"
         assert run.warnings() and run.summary()["warnings"] == run.warnings()
         panel._draw(run.snapshot())
-        assert "&#9888; the training loss" in panel.message.value
+        assert "&#9888; under async, the training loss" in panel.message.value
         assert any(m["label"].startswith("warning: ") for m in run.snapshot()["markers"])
     finally:
         panel.close()
