@@ -214,7 +214,7 @@ def _hyperparameters(arguments: argparse.Namespace, language_model: bool = False
 ADAM_LR = 1e-3
 GPT_LR = 3e-3  # AdamW on gpt-mini (nanoGPT uses 1e-3 at 10M parameters; smaller models take more)
 DEFAULT_EPOCHS = 5
-DEFAULT_TEXT_STEPS = 300  # stdlib-text: steps per worker unless --steps or --epochs (an epoch is ~1,400 steps)
+DEFAULT_TEXT_STEPS = 300  # stdlib-text: steps per worker unless --steps or --epochs (an epoch is ~1,340 steps on 2 workers)
 WARMUP_SHARE = 0.05  # a GPT's default warm-up, as a share of the run's steps
 TEXT_EVALUATIONS = 10  # stdlib-text: held-out evaluations over the run (the curve, not only the end)
 
