@@ -7,7 +7,8 @@ records (throughput, loss, switches, held-out metrics, and each worker's GPU mem
   switched live to async and back (the live-switch test of tests/test_gpu.py),
   benchmarks/results/gpu-run-nvidia-h200/;
 - docs/dashboard-gpu-gpt.png: the GPT (gpt-small) on the standard library's text, two workers sharing an
-  H200 under `auto` (benchmarks/gpt_gpu.py, part 2), benchmarks/results/gpu-nvidia-h200/gpt-auto-run/.
+  H200 under `auto` (benchmarks/gpt_gpu.py, part 2; the run `gpt-strategies.json` names),
+  docs/runs/gpt-auto-run-nvidia-h200/.
 
     python docs/gpu_dashboard.py [RUN_DIR PNG]   # needs chromium (apt-get install chromium) and the test extras
 """

@@ -192,7 +192,7 @@ def test_the_schedule_reaches_the_parameter_server_and_a_set_lr_scales_it(client
         assert len(changed), "the set learning rate never arrived"
         expected = changed["step"].map(lambda s: workbench_lr * lr_factor(s, 100, "cosine", 12))
         assert changed["lr"].tolist() == pytest.approx(expected.tolist())
-    assert run.summary()["staleness"]["max"] >= 0
+    assert run.summary()["staleness"]["max"] >= 1  # two workers pushing every step: some pushes were stale
 
 
 @pytest.mark.cluster

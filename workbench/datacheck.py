@@ -16,6 +16,7 @@ from torch import nn
 
 from .data import BuiltinData, DaskArrayData, DatasetData, TensorData, _as_tensor
 from .errors import ConfigError
+from .evaluation import sequence_scores
 from .text import VOCABULARY, TextWindows
 
 CLASS_INDEX_LOSSES = ("cross_entropy", "nll")  # losses whose targets are class indices
@@ -129,9 +130,7 @@ def _check_class_targets(parameter: str, loss_name: str, targets: torch.Tensor, 
         raise ConfigError("model", f"outputs of shape {tuple(outputs.shape)}",
                           f"one score per class (shape (batch, classes)) for the loss {loss_name!r}")
     # A sequence model's scores come classes last, one row per position (see job.cross_entropy).
-    # (`targets` may be every sample's, `outputs` one batch's: the positions are compared, not the batch.)
-    sequence = outputs.dim() >= 3 and outputs.dim() == targets.dim() + 1 and outputs.shape[1:-1] == targets.shape[1:]
-    classes = outputs.shape[-1] if sequence else outputs.shape[1]
+    classes = outputs.shape[-1] if sequence_scores(outputs, targets) else outputs.shape[1]
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= classes:
         offending = targets[(targets < 0) | (targets >= classes)]

@@ -46,6 +46,13 @@ def evaluate(model: torch.nn.Module, data: Batches, loss_fn: Callable[..., torch
     return result
 
 
+def sequence_scores(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether `outputs` are a sequence model's scores for `targets`: (batch, length, ..., classes) against
+    (batch, length, ...), classes last, as every language model gives them. The batch is not compared:
+    `targets` may be a whole dataset's and `outputs` one batch's."""
+    return outputs.dim() >= 3 and outputs.dim() == targets.dim() + 1 and outputs.shape[1:-1] == targets.shape[1:]
+
+
 def task_kind(outputs: torch.Tensor, targets: torch.Tensor) -> str | None:
     """'classification' for (batch, classes) scores and class labels, 'sequence' for (batch, length, classes)
     scores and (batch, length) labels, else None (regression, or something else)."""
@@ -53,13 +60,11 @@ def task_kind(outputs: torch.Tensor, targets: torch.Tensor) -> str | None:
         return None
     if outputs.dim() == 2 and targets.dim() == 1:
         return "classification"
-    if outputs.dim() >= 3 and outputs.shape[:-1] == targets.shape:
-        return "sequence"
-    return None
+    return "sequence" if sequence_scores(outputs, targets) else None
 
 
 def held_out_text(result: dict[str, Any]) -> str:
-    """One line for an evaluation, as the CLI, the notebook panel and the dashboard say it."""
+    """One line for an evaluation, as the notebook panel says it under its plots."""
     parts = [f"held-out loss {result['loss']:.4f}"]
     if result.get("accuracy") is not None:
         parts.append(f"accuracy {result['accuracy']:.4f}")

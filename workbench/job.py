@@ -17,6 +17,7 @@ from .data import DataSource, Splits, as_source, resolve_dataset
 from .datacheck import check_data
 from .checks import check_number
 from .errors import ConfigError
+from .evaluation import sequence_scores
 from .schedule import SCHEDULES
 
 def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,7 @@ def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     (batch, length, classes) scores against (batch, length) targets (classes last, as every language model
     gives them), over every position. (Scores in torch's layout whose second dimension equals the targets'
     last would read as a sequence's: give such a model its own loss function.)"""
-    if outputs.dim() >= 3 and outputs.shape[:-1] == targets.shape:
+    if sequence_scores(outputs, targets):
         return nn.functional.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
     return nn.functional.cross_entropy(outputs, targets)
 
