@@ -10,7 +10,7 @@ choice differ, a choice must be seen in `confirm` windows in a row, and switches
 apart (a link reading far past its threshold, `clear`, needs one window fewer and is not held back; the
 first move away from the start also needs one fewer, and a first move from allreduce to averaging one).
 An overlapped exchange already hidden in half its period does not raise the period.
-The supervisor applies a choice with the live switch; tests/test_auto.py holds the table.
+The supervisor applies a choice with the live switch; tests/unit/test_auto.py holds the table.
 """
 from __future__ import annotations
 

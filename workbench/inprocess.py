@@ -4,7 +4,7 @@ point and checkpoints, with the transport, the control state and the parameter s
 The same code as on a cluster down to the calls a rank makes: only what is behind `context.comm`
 (`ThreadTransport` instead of torch.distributed and Dask) and the control state (`LocalControl`
 instead of a Dask `Variable`) differ. For tests that check every strategy against a single-process
-reference in seconds (tests/test_inprocess.py), and for trying a strategy without starting a cluster.
+reference in seconds (tests/inprocess/test_inprocess.py), and for trying a strategy without starting a cluster.
 """
 from __future__ import annotations
 

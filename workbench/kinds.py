@@ -3,7 +3,7 @@ once with what it means.
 
 Workers, the client's supervisor and the announcements on the scheduler all write records with a
 `kind`; the run directory, `run.events(kind)`, the panel and the dashboard read them. Code names kinds
-through these constants, never as bare strings (`tests/test_kinds.py` holds this), so a kind cannot be
+through these constants, never as bare strings (`tests/unit/test_kinds.py` holds this), so a kind cannot be
 misspelt on one side and silently never match on the other.
 """
 from __future__ import annotations

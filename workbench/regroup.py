@@ -3,7 +3,7 @@
 No cluster here: the supervisor (supervisor.py) gathers facts (which tasks are done, which failed
 because their process died, which workers the scheduler still has, what the user asked for) and these
 functions say who is lost, whether the run fails, stops, or goes on with whom, and how the workers'
-errors read. `tests/test_regroup.py` checks them without a cluster.
+errors read. `tests/unit/test_regroup.py` checks them without a cluster.
 """
 from __future__ import annotations
 

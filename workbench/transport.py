@@ -4,7 +4,8 @@ The loop, the strategies and the control point call `context.comm` (a `Transport
 torch.distributed or Dask's `get_client()` / `get_worker()` themselves. On a cluster that is
 `ProcessGroupTransport`: torch.distributed's default group (`collectives.py`) and the Dask worker the
 rank runs on. In one process, `inprocess.ThreadTransport` gives N ranks as threads the same calls, so
-the loop, every strategy, switches and checkpoints can be checked without a cluster (tests/test_inprocess.py).
+the loop, every strategy, switches and checkpoints can be checked without a cluster
+(tests/inprocess/test_inprocess.py).
 """
 from __future__ import annotations
 

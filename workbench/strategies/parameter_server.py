@@ -100,7 +100,7 @@ class SSPSettings(AsyncSettings):
     # server version (mean 0.9-1.0) whatever the bound. On 2 shared cores one worker is steadily faster
     # and sits at a tight bound: at 4 it waited in up to 86 of its 110 windows on `digits` (5 epochs), and
     # the 5-epoch accuracy spread with the waiting. The CLI's defaults then (lr 0.25, momentum 0.4), 2 workers on a
-    # shared 2-worker cluster as tests/test_defaults.py runs, held-out accuracy after 5 epochs (min /
+    # shared 2-worker cluster as tests/cluster/test_defaults.py runs, held-out accuracy after 5 epochs (min /
     # median / max, runs >= 0.9): bound 2 0.864 / 0.903 / 0.936, 5 of 10; 4 0.797 / 0.913 / 0.947, 19 of
     # 26; 6 0.850 / 0.923 / 0.936, 7 of 10; 8 0.903 / 0.930 / 0.947, 50 of 50 (40 epochs: 0.964 / 0.967 /
     # 0.969, 5 runs). At bound 4 a lower momentum (0.2, lr 0.25) gave 0.866 / 0.916 / 0.947, 35 of 40, and
@@ -360,7 +360,7 @@ class AsyncSGD(_ServerStrategy):
     # still 3 of 60. Lr 0.3 without momentum: 0 of 60 (0.919-0.95, 9 of them in lockstep), and `ssp` 0 of
     # 30 (0.914-0.95) against 3 of 30 before; 0.958-0.961 after 40 epochs (6 runs each). Per push that is
     # 0.3 of its gradient, against 1.0 of the averaged gradient per synchronous step (lr 0.1, momentum
-    # 0.9), with about twice the pushes. tests/test_defaults.py holds it.
+    # 0.9), with about twice the pushes. tests/cluster/test_defaults.py holds it.
     suggested_sgd = {"lr": 0.3, "momentum": 0.0}
 
     def setup(self, context: TrainingContext) -> None:
@@ -551,7 +551,7 @@ class ElasticAveraging(_ServerStrategy):
         # `vector` is on the host already (see `_send`). The mirror is the error feedback here: what a push
         # did not send stays in weights - mirror. A residual kept as well sends it twice: with top-k 10%
         # over 20 random updates (weights within +/-0.17) and then 20 pushes of nothing new,
-        # |weights - mirror| grew to 19 instead of reaching 0 (tests/test_replies.py).
+        # |weights - mirror| grew to 19 instead of reaching 0 (tests/unit/test_replies.py).
         settings = self.settings
         packets = [encode(part, settings.compression, settings.topk_ratio, settings.threshold_tau, copy)
                    for part in self.server.split(vector)]
@@ -575,7 +575,8 @@ class ElasticAveraging(_ServerStrategy):
     def _apply(self, reply: Replies) -> int:
         # The pull, compressed when replies are: this worker and its mirror move by what was sent; the
         # rest stays in the distance to the center, which the next pull is computed from.
-        # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit (tests/test_replies.py).
+        # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit
+        # (tests/unit/test_replies.py).
         pull = torch.cat([decode(packet) for packet in reply.pull])
         self.mirror -= pull
         for parameter, part in zip(self.parameters, _views(self.staging.to_device(pull), self.parameters)):
