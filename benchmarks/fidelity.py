@@ -4,7 +4,7 @@ The job: the character-level GPT (gpt-mini, 0.84M parameters, context 64) on the
 source (`stdlib-text`), AdamW at 3e-3 with 5% warm-up and cosine decay, batch 32 windows per worker, the
 same budget of steps per worker for every run (`--steps`, so every run sees the same samples), a
 held-out evaluation on worker 0 every 64 steps (a multiple of every averaging period, so `average` is
-judged on its averaged weights) and at the end. Two worker hosts on the lab (`workbench/lab.py`, host 0
+judged on its averaged weights) and at the end. Two worker hosts on the lab (`testbed/lab.py`, host 0
 the scheduler and client), under the conditions: links unlimited, 100 Mbit/s, 20 Mbit/s (`tbf`, no added
 delay), and one slow host (host 2 at half a core, link unlimited).
 
@@ -350,7 +350,7 @@ def main() -> None:
         return
     from gpt_gpu import commit
     from network import machine
-    from workbench import lab as labs
+    from testbed import lab as labs
 
     reason = labs.available()
     if reason:

@@ -15,7 +15,7 @@ def run_dir(tmp_path):
 @pytest.fixture
 def clean_environment(monkeypatch):
     """No GLOO_/NCCL_SOCKET_IFNAME set, and none that the test sets left behind."""
-    from workbench import collectives
+    from workbench.comm import collectives
 
     for variable in collectives.SOCKET_IFNAME_VARIABLES:
         # Set, then deleted: monkeypatch records the variable only if it existed, and what the binding sets

@@ -133,7 +133,7 @@ def notebook_expectations():
     """The example notebooks (paths, sorted) and what each must have printed or shown, beyond running
     without an error: tests/cluster/test_notebooks_cluster.py executes them, tests/unit/test_notebooks.py
     checks that every one is covered here and stored executed."""
-    from workbench import lab as labs
+    from testbed import lab as labs
 
     notebooks = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
     expected = {

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from workbench.metrics import control_markers
+from workbench.plane.metrics import control_markers
 
 from .compare import COLOURS, comparison_table, loss_against_time
 

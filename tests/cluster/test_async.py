@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import workbench
-from workbench.launcher import present_workers
-from workbench.compression import encode
-from workbench.run import Run
-from workbench.server import ServerClient, merge_replies, start_parameter_server
+from workbench.run.launcher import present_workers
+from workbench.server.compression import encode
+from workbench.run.handle import Run
+from workbench.server.shards import ServerClient, merge_replies, start_parameter_server
 
 import helpers
 from helpers import wait_until

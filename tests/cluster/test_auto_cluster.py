@@ -7,8 +7,8 @@ import pytest
 @pytest.mark.timeout(180)
 def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammate_pins_it(client, run_dir):
     import workbench
-    from workbench import kinds
-    from workbench.run import Run
+    from workbench.plane import kinds
+    from workbench.run.handle import Run
 
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, batch_size=16, steps=100_000)
     # Worker 1 takes 20 ms more per step: under allreduce worker 0 waits for it at every step.
@@ -25,7 +25,7 @@ def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammat
         assert {e["to"] for e in switched} == {"easgd"} and run.lr == pytest.approx(0.1)
         # A teammate pins it from the dashboard (a control request): auto is off and says so; a switch
         # by hand afterwards changes the strategy and nothing of auto.
-        workbench.registry.send_control_request(client, run.run_id, "pin", "teammate")
+        workbench.cluster.announcements.send_control_request(client, run.run_id, "pin", "teammate")
         pinned = _wait_for_kind(run, kinds.AUTO_PINNED, timeout_s=30)
         assert pinned[0]["why"] == "pinned by hand" and pinned[0]["strategy"] == "easgd" and not run.auto_pilot.on
         answered = _wait_for_kind(run, kinds.CONTROL_REQUEST, timeout_s=30)
@@ -34,7 +34,7 @@ def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammat
         assert len(run.events(kinds.AUTO_PINNED)) == 1 and run.strategy == "average"
         # The teammate turns auto on again (the dashboard's strategy list has 'auto'): it judges afresh
         # from 'average' and, the straggler still there, moves to easgd once more.
-        workbench.registry.send_control_request(client, run.run_id, "switch", "teammate", strategy="auto",
+        workbench.cluster.announcements.send_control_request(client, run.run_id, "switch", "teammate", strategy="auto",
                                                 settings={})
         on = _wait_for_kind(run, kinds.AUTO_ON, timeout_s=30)
         assert on[0]["strategy"] == "average" and run.auto_pilot.on

@@ -2,7 +2,7 @@
 every strategy setting is a flag: tests/unit/test_cli_flags.py."""
 import pytest
 
-from workbench import cli
+from workbench.cli import main as cli
 
 
 def test_device_and_precision_are_flags_that_reach_the_job(client, tmp_path, capsys):

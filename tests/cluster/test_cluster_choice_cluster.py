@@ -8,7 +8,7 @@ import dask
 import pytest
 
 import workbench
-from workbench import cluster as cluster_module
+from workbench.cluster import connection as cluster_module
 
 
 def _training_settings():
@@ -52,7 +52,7 @@ def test_the_workers_present_are_never_the_clients_cached_empty_list():
     # (scheduler_info(n_workers=-1), then the cache) said "no workers" in 33 of 500 calls here.
     from distributed import Client, LocalCluster
 
-    from workbench.launcher import present_workers
+    from workbench.run.launcher import present_workers
 
     with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}), \
             LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as cluster, \

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import workbench
-from workbench.launcher import present_workers
-from workbench.compression import encode
-from workbench.replies import KnownWeights
-from workbench.run import Run
-from workbench.server import ServerClient, merge_replies, start_parameter_server
+from workbench.run.launcher import present_workers
+from workbench.server.compression import encode
+from workbench.server.replies import KnownWeights
+from workbench.run.handle import Run
+from workbench.server.shards import ServerClient, merge_replies, start_parameter_server
 
 import helpers
 

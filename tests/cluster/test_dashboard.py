@@ -22,9 +22,9 @@ import pytest
 from playwright.sync_api import expect
 
 import workbench
-from workbench.metrics import topic
-from workbench.rundir import read_metrics
-from workbench.collectives import find_free_port as free_port
+from workbench.plane.metrics import topic
+from workbench.plane.rundir import read_metrics
+from workbench.comm.collectives import find_free_port as free_port
 
 import helpers
 from helpers import chromium, end_processes, load_benchmark
@@ -274,7 +274,7 @@ def test_restarted_dashboard_shows_the_finished_runs_full_history(client, run_di
 def test_another_client_controls_a_run_through_requests_and_bad_ones_are_answered(client, run_dir):
     from distributed import Client
 
-    from workbench.registry import send_control_request
+    from workbench.cluster.announcements import send_control_request
 
     run = workbench.train(long_job(), "average", client=client, run_dir=run_dir, owner="olivia", period=4)
     other = Client(client.scheduler.address, timeout=30)
@@ -338,8 +338,8 @@ def test_dashboard_served_from_the_notebook_leaves_the_notebooks_runs_their_metr
 def test_a_256_worker_run_shows_its_spread_and_its_slowest_workers_not_256_lines(client, run_dir, browser):
     # 256 workers emulated as the scale benchmark does (a connection each to the test cluster's scheduler,
     # step batches 4 times a second); worker 17 at a quarter of the others' samples/s.
-    from workbench import kinds
-    from workbench.feed import announce
+    from workbench.plane import kinds
+    from workbench.run.feed import announce
 
     scale = load_benchmark("scale")
     run_id, workers, seconds = "emulated-256", 256, 25.0

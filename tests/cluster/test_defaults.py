@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from workbench import cli
-from workbench.kinds import TRAINING_WARNING
-from workbench.rundir import read_metrics
+from workbench.cli import main as cli
+from workbench.plane.kinds import TRAINING_WARNING
+from workbench.plane.rundir import read_metrics
 from workbench.strategies import STRATEGIES
 
 

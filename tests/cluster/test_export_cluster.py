@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import workbench
-from workbench import cli, kinds
-from workbench.rundir import read_metrics
+from workbench.cli import main as cli
+from workbench.plane import kinds
+from workbench.plane.rundir import read_metrics
 
 from helpers import wait_until
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import workbench
-from workbench.launcher import present_workers
-from workbench import checkpoint as checkpoints
-from workbench.rundir import read_metrics
+from workbench.run.launcher import present_workers
+from workbench.plane import checkpoint_format as checkpoints
+from workbench.plane.rundir import read_metrics
 
 from helpers import digits_job, wait_until
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import workbench
-from workbench import cluster as cluster_module
+from workbench.cluster import connection as cluster_module
 from workbench.strategies import STRATEGIES
 
 import helpers

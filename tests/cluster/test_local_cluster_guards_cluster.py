@@ -75,7 +75,7 @@ def test_keep_freed_memory_undoes_the_nannys_malloc_trim_threshold():
     # 2,000 page faults) until the worker's allocator is told to keep freed memory.
     probe = textwrap.dedent("""
         import resource, torch
-        from workbench.worker_host import keep_freed_memory
+        from workbench.worker.host import keep_freed_memory
         def faults():
             for _ in range(3):
                 torch.empty(2_000_000).fill_(1.0)

@@ -1,4 +1,4 @@
-"""The per-host metrics relay (workbench/metrics_relay.py) on the session cluster: a rank's messages through
+"""The per-host metrics relay (workbench/plane/relay.py) on the session cluster: a rank's messages through
 a relay on another worker arrive as `batches` messages in order, with none lost, and straight from the rank
 when the relay cannot be reached; a run large enough to relay trains with every record kept (which rank
 relays for which: tests/unit/test_metrics_relay.py)."""
@@ -12,8 +12,9 @@ import pytest
 from distributed import Client
 
 import workbench
-from workbench import kinds, metrics_relay
-from workbench.metrics import messages_in, topic
+from workbench.plane import kinds
+from workbench.plane import relay as metrics_relay
+from workbench.plane.metrics import messages_in, topic
 
 from helpers import wait_until
 

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from workbench import lab as labs
+from testbed import lab as labs
 
 from helpers import notebook_expectations
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from helpers import dask_cluster_on_loopback, wait_until
-from workbench.rundir import read_metrics
+from workbench.plane.rundir import read_metrics
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))

@@ -18,7 +18,7 @@ from distributed import Event, Queue, Variable
 
 import workbench
 from widgets.control_panel import ControlPanel
-from workbench import leases
+from workbench.cluster import leases
 
 from helpers import dask_cluster_on_loopback, end_processes, wait_until
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import workbench
-from workbench import checkpoint as checkpoints
-from workbench.run import Run
+from workbench.plane import checkpoint_format as checkpoints
+from workbench.run.handle import Run
 
 import helpers
 

@@ -9,8 +9,8 @@ import pytest
 
 import workbench
 from workbench.errors import ConfigError, TrainingError
-from workbench.rundir import read_metrics
-from workbench.run import Run
+from workbench.plane.rundir import read_metrics
+from workbench.run.handle import Run
 
 import helpers
 from helpers import wait_until

@@ -16,8 +16,8 @@ import pytest
 from distributed import Security
 
 import workbench
-from workbench.launcher import present_workers
-from workbench.collectives import find_free_port
+from workbench.run.launcher import present_workers
+from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
 
 import helpers

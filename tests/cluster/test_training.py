@@ -10,7 +10,7 @@ import torch
 
 import workbench
 from workbench.data import digits
-from workbench.rundir import read_metrics
+from workbench.plane.rundir import read_metrics
 from workbench.sharding import batches, shard_indices
 
 import helpers
@@ -185,7 +185,7 @@ def test_numpy_data_and_user_errors_surface_with_the_worker_traceback(client, ru
 def test_a_torch_dataset_trains_and_any_client_can_subscribe_to_the_metrics(client, run_dir):
     from distributed import Client
 
-    from workbench.metrics import expand, topic
+    from workbench.plane.metrics import expand, topic
 
     data = digits().train.load()
     dataset = torch.utils.data.TensorDataset(data.inputs, data.targets)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import workbench
-from workbench.launcher import present_workers
-from workbench.rundir import read_metrics
+from workbench.run.launcher import present_workers
+from workbench.plane.rundir import read_metrics
 
 from helpers import wait_until
 

@@ -44,7 +44,7 @@ def _run_directory_of_another_model(tmp_path):
     directory = tmp_path / "other-model"
     directory.mkdir()
     (directory / "config.json").write_text("{}")
-    from workbench import checkpoint as checkpoints
+    from workbench.plane import checkpoint_format as checkpoints
 
     checkpoints.save(directory / checkpoints.CHECKPOINT_FILE, {
         "step": 3, "weights": torch.nn.Linear(3, 2).state_dict(), "strategy": "allreduce", "settings": {},

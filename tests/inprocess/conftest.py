@@ -1,5 +1,5 @@
 """The in-process tier, marked `inprocess`: the real loop, strategies and collectives in this process
-(`workbench.inprocess`, a process group of one rank), no process started."""
+(`workbench.testing`, a process group of one rank), no process started."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""The fast tier: N ranks as threads of one process (`workbench.inprocess`), running the real loop,
+"""The fast tier: N ranks as threads of one process (`workbench.testing`), running the real loop,
 strategies, control point and parameter server, with only the transport in memory. Every registered
 strategy is checked here in about a second: the synchronous ones against a plain single-process PyTorch
 loop on the same batches, bit for bit up to float rounding; the asynchronous ones for training, equal
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import workbench
-from workbench import kinds
-from workbench.averaging import flatten, fingerprint
+from workbench.plane import kinds
+from workbench.comm.averaging import flatten, fingerprint
 from workbench.data import Shard
-from workbench.inprocess import train_in_process
+from workbench.testing import train_in_process
 from workbench.job import loss_function, make_optimizer
 from workbench.strategies import STRATEGIES, get_strategy, suggested_sgd
 
@@ -106,7 +106,7 @@ def test_the_parameter_server_with_one_worker_is_the_plain_loop(strategy):
 def test_every_strategy_trains_in_process_and_ends_with_common_weights(strategy, settings):
     run = train_in_process(job(steps=60, **suggested_sgd(strategy)), strategy, WORLD, **settings)
     steps = run.steps()
-    # Every field a step record carries is in the vocabulary (kinds.py), the loop's own on every step.
+    # Every field a step record carries is in the vocabulary (plane/kinds.py), the loop's own on every step.
     assert all(set(kinds.STEP_FIELDS) <= set(r) <= {"kind", *kinds.STEP_FIELDS, *kinds.STRATEGY_FIELDS}
                for r in steps)
     assert [len(run.steps(rank)) for rank in range(WORLD)] == [60] * WORLD

@@ -3,7 +3,7 @@ group waits for the one still leaving and fails if it never leaves (a real gloo 
 process started; which interface the binding picks, without a group: tests/unit/test_interface_binding.py)."""
 import pytest
 
-from workbench import collectives
+from workbench.comm import collectives
 from workbench import errors as workbench_errors
 
 

@@ -1,4 +1,4 @@
-"""The lab tier, marked `multihost`: emulated hosts as network namespaces (`workbench.lab`); needs root and
+"""The lab tier, marked `multihost`: emulated hosts as network namespaces (`testbed.lab`); needs root and
 iproute2, skipped with the reason elsewhere."""
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ import cloudpickle
 import pytest
 
 import workbench
-from workbench.auto import SYNCHRONOUS
-from workbench import kinds
-from workbench import lab as labs
+from workbench.run.auto_policy import SYNCHRONOUS
+from workbench.plane import kinds
+from testbed import lab as labs
 from workbench.strategies import suggested_sgd
 
 import helpers
@@ -174,7 +174,7 @@ def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path
 
 
 def test_restore_workers_replaces_a_lost_hosts_worker_and_never_doubles_one(lab, all_workers):
-    from workbench.launcher import present_workers
+    from workbench.run.launcher import present_workers
 
     hosts = list(range(1, 1 + WORKER_HOSTS))
     before = present_workers(all_workers)
@@ -219,7 +219,7 @@ def _scheduler_link_user_timeout_ms(dask_worker):
 
 
 def test_the_labs_workers_scheduler_links_get_the_longer_tcp_timeout(all_workers):
-    # Dask's 30 s default let a 6.18 kernel end healthy connections on a dropping shaped link (lab.py).
+    # Dask's 30 s default let a 6.18 kernel end healthy connections on a dropping shaped link (testbed/lab.py).
     assert set(all_workers.run(_scheduler_link_user_timeout_ms).values()) == {3_600_000}
 
 

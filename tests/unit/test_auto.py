@@ -1,8 +1,8 @@
-"""`auto`'s decision table, without a cluster (workbench/auto.py): measured situation -> choice, the
+"""`auto`'s decision table, without a cluster (workbench/run/auto_policy.py): measured situation -> choice, the
 learning rate that follows a switch, and hysteresis (no flapping, a bounded rate of switches)."""
 import pytest
 
-from workbench.auto import Chooser, Window, fitting, measure
+from workbench.run.auto_policy import Chooser, Window, fitting, measure
 
 EVEN = {0: 1000.0, 1: 1000.0}
 
@@ -253,7 +253,7 @@ class _Run:
     stream of step records (the pure decision path; the cluster's is in tests/lab/test_multihost.py)."""
 
     def __init__(self):
-        from workbench.metrics import MetricsTable
+        from workbench.plane.metrics import MetricsTable
 
         self.status, self.strategy, self.settings = "running", "average", {"period": 64, "overlap": True}
         self.worker_addresses, self.lr, self.table, self.switches = ["a", "b"], 0.1, MetricsTable(), []
@@ -275,7 +275,7 @@ def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by
     cleared the first slow reading (here the move came a third slow exchange later; on the lab 14 s
     after the fall), one slow exchange read in two windows must not confirm it alone, and a tick that
     waits for its time after the exchange landed is up to a window late (on the lab, a second)."""
-    from workbench.autopilot import AutoPilot
+    from workbench.run.autopilot import AutoPilot
 
     run, pilot = _Run(), AutoPilot(workers=2)
     pilot.chooser._last_choice_at = 0.0  # past its first move (p16 -> p64), as in the benchmark
@@ -310,7 +310,7 @@ def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_wa
     """Under allreduce every step is an exchange: the first move need not wait for the 2 s tick. Steps of
     10 ms compute and 10 ms all-reduce (1 step: average, period 16) after 8 warm-up steps of 100 ms
     compute (which, counted, would make the exchange 0.31 steps and the period 4). Ticked every step."""
-    from workbench.autopilot import FIRST_STEPS, WARMUP_STEPS, AutoPilot
+    from workbench.run.autopilot import FIRST_STEPS, WARMUP_STEPS, AutoPilot
 
     run, pilot = _Run(), AutoPilot(workers=2)
     run.strategy, run.settings = "allreduce", {}
@@ -331,7 +331,7 @@ def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_wa
 
 def test_pin_is_refused_on_a_run_not_started_with_auto_and_auto_takes_no_settings(tmp_path):
     import workbench
-    from workbench.run import Run
+    from workbench.run.handle import Run
 
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits")
     with pytest.raises(workbench.TrainingError, match="not started with strategy='auto'"):

@@ -2,7 +2,7 @@
 slow-link rules (wire payloads, the outer optimizer, delayed averaging)."""
 import torch
 
-from workbench.averaging import (WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, decode_average, delayed_apply,
+from workbench.comm.averaging import (WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, decode_average, delayed_apply,
                                  encode_weights, flatten, optimizer_state_tensors, outer_step, relative_divergence,
                                  scale_for_wire, unflatten_into)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import workbench
-from workbench import checkpoint as checkpoints
+from workbench.plane import checkpoint_format as checkpoints
 from workbench.errors import ResumeError
-from workbench.membership import _Dispatcher
-from workbench.switching import Position, decide
+from workbench.cluster.membership import _Dispatcher
+from workbench.worker.switching import Position, decide
 
 
 @pytest.mark.parametrize("step,per_epoch,expected", [(0, 10, (0, 0)), (9, 10, (0, 9)), (10, 10, (1, 0)),
@@ -124,7 +124,7 @@ def test_membership_changes_reach_every_listener_and_nothing_else():
 
 
 def test_lost_workers_and_regroups_are_marked_on_the_loss_chart():
-    from workbench.metrics import MetricsTable, control_markers
+    from workbench.plane.metrics import MetricsTable, control_markers
 
     events = [{"kind": "worker-lost", "worker": 2, "address": "tcp://w:3", "step": 57, "time": 5.0},
               {"kind": "regrouped", "worker": None, "workers": ["a", "b"], "from_step": 40, "time": 6.0,
@@ -140,7 +140,7 @@ def test_lost_workers_and_regroups_are_marked_on_the_loss_chart():
 
 
 def test_resuming_from_a_missing_empty_or_checkpointless_directory_says_which(tmp_path):
-    from workbench.checkpoint import load
+    from workbench.plane.checkpoint_format import load
     from workbench.errors import ResumeError
 
     (tmp_path / "empty").mkdir()

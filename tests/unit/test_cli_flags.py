@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from workbench import cli
-from workbench.setting_flags import chosen_settings, setting_fields
+from workbench.cli import main as cli
+from workbench.cli.setting_flags import chosen_settings, setting_fields
 from workbench.strategies import STRATEGIES, make_settings
 
 

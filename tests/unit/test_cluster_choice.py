@@ -10,7 +10,7 @@ import types
 import pytest
 
 import workbench
-from workbench import cluster as cluster_module
+from workbench.cluster import connection as cluster_module
 from workbench.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from workbench.compression import ErrorFeedback, decode, encode, largest_magnitudes, validate_compression
+from workbench.server.compression import ErrorFeedback, decode, encode, largest_magnitudes, validate_compression
 from workbench.errors import ConfigError
 
 

@@ -1,10 +1,10 @@
-"""The worker-side control poller (`workbench.control.ControlPoller`) outlives what its Dask client does
+"""The worker-side control poller (`workbench.plane.control.ControlPoller`) outlives what its Dask client does
 when the worker loses its scheduler. No cluster: the Variable is a stand-in for that one case."""
 from __future__ import annotations
 
 import threading
 
-from workbench import control
+from workbench.plane import control
 from helpers import wait_until
 
 

@@ -11,8 +11,8 @@ from widgets.dashboard.access import Access, is_loopback, load_credentials, poli
 from widgets.dashboard.app import DashboardSession
 from widgets.dashboard.hub import Hub, RunFeed
 from workbench.errors import ConfigError
-from workbench.metrics import MetricsTable
-from workbench.registry import control_request
+from workbench.plane.metrics import MetricsTable
+from workbench.cluster.announcements import control_request
 
 
 def test_roles_without_sign_in_depend_on_the_listening_address():
@@ -271,7 +271,7 @@ def test_a_run_that_is_not_learning_says_so_in_the_status_line_and_on_the_loss_c
 def test_the_switch_settings_are_a_form_made_from_the_strategy_not_a_json_box(tmp_path):
     import panel as pn
 
-    from workbench.setting_flags import form_fields
+    from workbench.cli.setting_flags import form_fields
 
     _write_run(tmp_path, "live", "olivia", _steps(0, range(3)))
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import workbench
-from workbench import collectives
-from workbench.device_staging import HostStaging, to_host
+from workbench.comm import collectives
+from workbench.comm.device_staging import HostStaging, to_host
 from workbench.errors import ConfigError
 from workbench.job import autocast
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import workbench
-from workbench.export import SecondTotals, check_export_options, evaluation_values
+from workbench.run.export import SecondTotals, check_export_options, evaluation_values
 
 
 def test_step_records_fold_into_one_point_per_second():

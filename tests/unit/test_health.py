@@ -1,9 +1,9 @@
 """The loss watch (pure): a run that does not learn, or whose loss climbs, is said to be so once."""
 import math
 
-from workbench.health import LossWatch
-from workbench.kinds import TRAINING_WARNING as WARNING_KIND
-from workbench.metrics import MetricsTable, control_markers
+from workbench.run.health import LossWatch
+from workbench.plane.kinds import TRAINING_WARNING as WARNING_KIND
+from workbench.plane.metrics import MetricsTable, control_markers
 
 
 def _feed(watch, losses_by_step, workers=2, start=0):

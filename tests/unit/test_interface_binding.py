@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from workbench import collectives
+from workbench.comm import collectives
 
 
 def test_the_interface_holding_an_address_is_found_and_an_unknown_address_has_none():

@@ -1,12 +1,13 @@
-"""Every kind of record is named once, in `workbench/kinds.py`: no engine or UI module writes or compares
+"""Every kind of record is named once, in `workbench/plane/kinds.py`: no engine or UI module writes or compares
 a kind as a bare string, so a kind cannot be misspelt on one side and never match on the other."""
 import re
 from pathlib import Path
 
-from workbench import kinds
+from workbench.plane import kinds
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted(p for folder in ("workbench", "widgets") for p in (ROOT / folder).rglob("*.py") if p.name != "kinds.py")
+SOURCES = sorted(p for folder in ("workbench", "widgets", "planner", "testbed") for p in (ROOT / folder).rglob("*.py")
+                 if p != ROOT / "workbench" / "plane" / "kinds.py")
 LITERAL = "|".join(sorted(map(re.escape, kinds.KINDS), key=len, reverse=True))
 # A kind in a kind's place: a record's "kind", a comparison with one, a sender's event, an announcement,
 # a lookup by kind, or one of several in a tuple compared with a kind.
@@ -26,7 +27,7 @@ def test_no_module_names_a_kind_as_a_bare_string():
             for match in re.finditer(pattern, text):
                 line = text.count("\n", 0, match.start()) + 1
                 found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
-    assert not found, "kinds named as bare strings (use workbench.kinds):\n" + "\n".join(found)
+    assert not found, "kinds named as bare strings (use workbench.plane.kinds):\n" + "\n".join(found)
 
 
 def test_the_vocabulary_is_consistent():

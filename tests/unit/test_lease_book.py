@@ -1,7 +1,7 @@
 """The lease book alone (no cluster): who gets which workers, the queue's order, and every way a lease ends."""
 import random
 
-from workbench.leases import LeaseBook, describe_holders
+from workbench.cluster.leases import LeaseBook, describe_holders
 
 W = ["tcp://w:1", "tcp://w:2", "tcp://w:3"]
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 import workbench
-from workbench.cluster import check_local_capacity
+from workbench.cluster.connection import check_local_capacity
 from workbench.errors import ClusterError, ConfigError
 
 
@@ -38,7 +38,7 @@ def test_a_guarded_call_and_a_one_line_guard_are_let_through(tmp_path):
                                         "f_globals": {"__name__": "__main__"}})()
             self.lineno = lineno
 
-    from workbench.cluster import check_main_guard
+    from workbench.cluster.connection import check_main_guard
 
     source = tmp_path / "script.py"
     lines = ["import workbench", "if __name__ == '__main__': workbench.connect()", "if __name__ == '__main__':",

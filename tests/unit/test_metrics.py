@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from workbench.metrics import (MetricsSender, MetricsTable, communication_summary, expand, staleness_summary,
+from workbench.plane.metrics import (MetricsSender, MetricsTable, communication_summary, expand, staleness_summary,
                                throughput, time_split)
 
 
@@ -103,7 +103,7 @@ def test_communication_summary_bytes_hidden_share_and_version_rate():
 
 
 def test_live_view_aggregates_loss_throughput_staleness_and_workers_exactly():
-    from workbench.metrics import MetricsTable, control_markers, downsample
+    from workbench.plane.metrics import MetricsTable, control_markers, downsample
 
     table = MetricsTable()
     table.add([{"kind": "worker-started", "worker": 0, "address": "tcp://a", "time": 100.0},
@@ -141,8 +141,8 @@ def test_live_view_aggregates_loss_throughput_staleness_and_workers_exactly():
 
 
 def test_a_batches_message_expands_to_every_workers_records_and_its_lifecycle_messages():
-    from workbench import kinds
-    from workbench.metrics import messages_in
+    from workbench.plane import kinds
+    from workbench.plane.metrics import messages_in
 
     steps = {"kind": kinds.STEPS, "rank": 3, "records": [{"worker": 3, "step": 7}, {"worker": 3, "step": 8}]}
     ended = {"kind": kinds.WORKER_FINISHED, "rank": 5, "worker": "tcp://w:5", "steps": 9}
@@ -153,9 +153,9 @@ def test_a_batches_message_expands_to_every_workers_records_and_its_lifecycle_me
 
 
 def test_the_runs_feed_takes_each_message_a_batches_message_carries(tmp_path):
-    from workbench import kinds
-    from workbench.feed import RunFeed
-    from workbench.rundir import RunDirectory, read_metrics
+    from workbench.plane import kinds
+    from workbench.run.feed import RunFeed
+    from workbench.plane.rundir import RunDirectory, read_metrics
 
     feed = RunFeed(MetricsTable())
     directory = RunDirectory(tmp_path / "run")

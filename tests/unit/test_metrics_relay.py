@@ -1,8 +1,8 @@
-"""The per-host metrics relay (workbench/metrics_relay.py), pure: which rank relays for which (messages
+"""The per-host metrics relay (workbench/plane/relay.py), pure: which rank relays for which (messages
 through a relay on a real cluster: tests/cluster/test_metrics_relay_cluster.py)."""
 from __future__ import annotations
 
-from workbench import metrics_relay
+from workbench.plane import relay as metrics_relay
 
 
 def test_the_lowest_rank_on_a_host_relays_for_its_hosts_other_ranks_and_lone_ranks_go_in_groups():

@@ -1,12 +1,12 @@
 """The supervisor's decisions and the run's status, without a cluster: who is lost, whether a run fails,
 stops or goes on with whom after a group ends, how the workers' errors read, and which status may
-follow which (`regroup.py`, `lifecycle.py`)."""
+follow which (`run/regroup.py`, `run/lifecycle.py`)."""
 import threading
 
 import pytest
 
-from workbench import regroup
-from workbench.lifecycle import FINISHED_STATES, Lifecycle, allowed
+from workbench.run import regroup
+from workbench.run.lifecycle import FINISHED_STATES, Lifecycle, allowed
 
 A, B, C = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.3:1"
 

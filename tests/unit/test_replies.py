@@ -6,10 +6,10 @@ import pytest
 import torch
 from distributed.protocol import deserialize, serialize
 
-from workbench.averaging import elastic_pull
-from workbench.compression import ErrorFeedback, add_decoded, decode, encode
-from workbench.replies import ElasticMirrors, KnownWeights, WeightMirrors
-from workbench.server import Reply, merge_replies
+from workbench.comm.averaging import elastic_pull
+from workbench.server.compression import ErrorFeedback, add_decoded, decode, encode
+from workbench.server.replies import ElasticMirrors, KnownWeights, WeightMirrors
+from workbench.server.shards import Reply, merge_replies
 
 N = 1000
 

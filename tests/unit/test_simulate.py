@@ -1,4 +1,4 @@
-"""The capacity-planning simulator (`workbench.simulate`): its arithmetic against hand-computed values,
+"""The capacity-planning simulator (`planner.simulate`): its arithmetic against hand-computed values,
 its monotonicity, and calibration recovering what synthetic step records were made from. No cluster."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import random
 import pandas as pd
 import pytest
 
-from workbench import simulate
-from workbench.simulate import Calibration, bucket_exposure, calibrate, predict
+from planner import simulate
+from planner.simulate import Calibration, bucket_exposure, calibrate, predict
 
 MODEL_BYTES = 7_454_760.0  # MLP 784-1024-1024-10 in float32
 STRATEGIES = [("allreduce", {}), ("average", {"period": 16}), ("average", {"period": 16, "overlap": True}),

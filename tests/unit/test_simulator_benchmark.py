@@ -10,7 +10,7 @@ import pytest
 from helpers import load_benchmark
 from test_simulate import MODEL_BYTES, _average_p4_records
 
-from workbench import simulate
+from planner import simulate
 
 
 def _run(lab_workers: int, samples_per_s: float, compute_s: float = 0.02) -> dict:

@@ -31,7 +31,7 @@ def test_bad_slow_link_settings_are_refused_naming_them(parameter, strategy, val
 
 def test_the_control_panel_form_offers_the_wire_dtypes_and_gives_every_setting_back():
     from widgets.control_panel import _setting_value, _setting_widget
-    from workbench.setting_flags import form_fields
+    from workbench.cli.setting_flags import form_fields
 
     for strategy in ("average", "allreduce"):
         settings_class = get_strategy(strategy).settings_class

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.sharding import split_ranges
-from workbench.staleness import ServerBook, ssp_allows
+from workbench.server.book import ServerBook, ssp_allows
 
 
 def test_scripted_interleaving_gives_exact_staleness_and_versions():

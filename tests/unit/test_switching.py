@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench.averaging import (fingerprint, flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state,
+from workbench.comm.averaging import (fingerprint, flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state,
                                  slice_optimizer_state)
-from workbench.switching import Position, SwitchRequest, decide
+from workbench.worker.switching import Position, SwitchRequest, decide
 
 
 def control(version, switch_id=0, strategy="async", stop=False, **settings):

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench import cli, extensions
-from workbench.run import Run
+from workbench import extensions
+from workbench.cli import main as cli
+from workbench.run.handle import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_PATH = re.compile(r"^widgets(\.\w+)*$")
@@ -60,7 +61,7 @@ def test_the_scans_catch_what_they_look_for():
     assert _ui_names('importlib.import_module("widgets.control_panel")') == ["widgets.control_panel"] * 2
     assert _ui_names("from widgets.dashboard import serve") == ["widgets.dashboard"]
     assert _ui_names('"""the UI (`widgets`) is not imported"""') == []
-    assert _private_engine_names("from workbench.cli import _OneLineParser, main") == ["workbench.cli._OneLineParser"]
+    assert _private_engine_names("from workbench.cli.main import _OneLineParser, main") == ["workbench.cli.main._OneLineParser"]
     assert _private_engine_names("import workbench._internal") == ["workbench._internal"]
 
 
@@ -73,8 +74,8 @@ def test_the_ui_imports_no_private_engine_name_and_not_the_command_line():
     for path in (ROOT / "widgets").rglob("*.py"):
         source = path.read_text()
         assert _private_engine_names(source) == [], path
-        # The engine's command runs the UI's; the UI uses the shared helpers (workbench.arguments).
-        assert not [m for m, _ in _imports(ast.parse(source)) if m == "workbench.cli"], path
+        # The engine's command runs the UI's; the UI uses the shared helpers (workbench.cli.arguments).
+        assert not [m for m, _ in _imports(ast.parse(source)) if m == "workbench.cli.main"], path
 
 
 def test_the_ui_registers_its_display_and_command_in_pyproject():

@@ -20,17 +20,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench import kinds
-from workbench import leases, membership
-from workbench.metrics import MetricsTable, best_metric, control_markers, expand, topic
-from workbench.registry import RUNS_TOPIC, send_control_request
-from workbench.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_metrics
+from workbench.plane import kinds
+from workbench.cluster import leases
+from workbench.cluster import membership
+from workbench.plane.metrics import MetricsTable, best_metric, control_markers, expand, topic
+from workbench.cluster.announcements import RUNS_TOPIC, send_control_request
+from workbench.plane.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_metrics
 
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
 RUNS_LIST_S = 0.25  # how stale the runs list may be
 LEASES_S = 1.0  # how stale the workers view (who holds which worker) may be
-MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.membership)
+MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.cluster.membership)
 
 
 class RunFeed:
@@ -245,7 +246,7 @@ class Hub:
         self.subscriptions.add(name)
 
     def workers(self) -> dict[str, Any]:
-        """Who holds which worker, what is free and who waits (`workbench.leases.view`), as last asked."""
+        """Who holds which worker, what is free and who waits (`workbench.cluster.leases.view`), as last asked."""
         return self._leases
 
     def _refresh_leases(self) -> None:

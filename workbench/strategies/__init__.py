@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
-from .allreduce import AllReduce
-from .average import Average
-from .base import Strategy, StrategySettings, TrainingContext, build_settings
-from .parameter_server import AsyncSGD, ElasticAveraging, StaleSynchronous
+from workbench.errors import ConfigError
+from workbench.strategies.allreduce import AllReduce
+from workbench.strategies.average import Average
+from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, build_settings
+from workbench.strategies.parameter_server import AsyncSGD, ElasticAveraging, StaleSynchronous
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
-from ..checks import check_positive_number
-from .base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
+from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
+from workbench.checks import check_positive_number
+from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 
 @dataclasses.dataclass

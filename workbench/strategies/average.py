@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from ..averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
+from workbench.comm.averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
                          optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
-from ..errors import ConfigError
-from ..checks import check_positive_int, check_positive_number
-from .base import Carried, Strategy, StrategySettings, TrainingContext, check_wire_dtype
+from workbench.errors import ConfigError
+from workbench.checks import check_positive_int, check_positive_number
+from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 
 @dataclasses.dataclass

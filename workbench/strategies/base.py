@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
-from ..errors import ConfigError
-from ..job import make_optimizer
+from workbench.comm.averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
+from workbench.errors import ConfigError
+from workbench.job import make_optimizer
 
 
 @dataclasses.dataclass
@@ -33,7 +33,7 @@ class TrainingContext:
     interrupted: Callable[[], bool] = lambda: False
     # True once the client has ended this group of workers (a worker was lost): every wait ends at once.
     abandoned: Callable[[], bool] = lambda: False
-    # How this rank reaches the others and the run's services (transport.py): passed in, never ambient.
+    # How this rank reaches the others and the run's services (comm/transport.py): passed in, never ambient.
     comm: Any = dataclasses.field(default_factory=lambda: _process_group())
 
 
@@ -205,6 +205,6 @@ def check_wire_dtype(parameter: str, value: Any) -> None:
 
 
 def _process_group() -> Any:
-    from ..transport import ProcessGroupTransport
+    from workbench.comm.transport import ProcessGroupTransport
 
     return ProcessGroupTransport()

@@ -1,14 +1,14 @@
 """Asynchronous strategies around the parameter server: `async` (Downpour SGD), `ssp` (stale-synchronous
 parallel) and `easgd` (elastic averaging).
 
-Each worker trains on its own and talks to the server (Dask actors, see `server.py`) every few steps,
+Each worker trains on its own and talks to the server (Dask actors, see `server/shards.py`) every few steps,
 never through a process group. One call to the server is in flight at a time and runs in the
 background while the next steps compute: a worker blocks only when the previous call has not returned
 by the time the next is due (`comm_s`, the exposed part); `comm_total_s` is the whole round trip.
 
 With `compression` (and `reply_compression`, by default the same) other than "none", traffic is
 compressed both ways: pushes with error feedback on the worker, replies as changes against a mirror of
-what each worker holds (`replies.py`). An `async`/`ssp` worker keeps its copy of the server's weights
+what each worker holds (`server/replies.py`). An `async`/`ssp` worker keeps its copy of the server's weights
 (`known`) and trains on `known` minus its window not pushed yet; an `easgd` worker gets its elastic
 pull compressed. The weights travel in full only in a worker's first fetch from a new server (start,
 switch, resume), at the end of the run and for checkpoints.
@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from ..averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
-from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
+from workbench.comm.averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
+from workbench.server.compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
                            validate_compression)
-from ..errors import ConfigError
-from ..device_staging import HostStaging, to_host
-from ..replies import KnownWeights
-from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies
-from ..checks import check_positive_int, check_positive_number
-from .base import Carried, Strategy, StrategySettings, TrainingContext
+from workbench.errors import ConfigError
+from workbench.comm.device_staging import HostStaging, to_host
+from workbench.server.replies import KnownWeights
+from workbench.server.shards import Call, Replies, ServerClient, ServerHandle, merge_replies
+from workbench.checks import check_positive_int, check_positive_number
+from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext
 
 
 @dataclasses.dataclass
