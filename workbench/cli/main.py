@@ -128,10 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)  # argparse prints a one-line usage error and exits 2
     # A terminated command (a timeout, a job scheduler) cleans up as an interrupted one does: the run
     # stops, and the cluster it started is closed, however far its start-up got.
+    # Ctrl-C too goes through `_interrupt`, which remembers it: a KeyboardInterrupt raised inside code that
+    # swallows it (a finalizer run while the cluster starts: "Exception ignored in ...") still ends the
+    # command as interrupted at its next check, instead of training on and exiting 0 (seen in the suite).
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    _INTERRUPTED.clear()
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
     try:
-        return _train(arguments)
+        status = _train(arguments)
+        _raise_if_interrupted()
+        return status
     except WorkbenchError as error:
         # Bad input in one line; a failed run in full (what failed where, and how to go on).
         text = f"{error}".splitlines()[0] if isinstance(error, ValueError) else f"{error}".strip()
@@ -141,12 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         print("workbench: interrupted", file=sys.stderr)
         return 130
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+_INTERRUPTED = threading.Event()
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _raise_if_interrupted() -> None:
+    """An interrupt some code swallowed, raised again where the command can act on it."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt("interrupted earlier")
 
 
 def _train(arguments: argparse.Namespace) -> int:
@@ -235,6 +251,7 @@ def _with_client(arguments: argparse.Namespace, start: Any) -> int:
         client = cluster_module.connect(workers=arguments.workers, dashboard_address=":0",
                                         oversubscribe=arguments.oversubscribe)
     try:
+        _raise_if_interrupted()
         run = start(client)
         _follow(run, disable=arguments.no_progress)
         status = run.wait()
@@ -258,10 +275,12 @@ def _follow(run: Any, disable: bool) -> None:
         if waiting is not None and waiting != said:
             print(f"workbench: run {run.run_id} {waiting}", file=sys.stderr)
             said = waiting
+        _raise_if_interrupted()
         time.sleep(0.2)
     shown, decided = 0, 0
     with tqdm(total=run.total_steps, unit="step", desc=run.strategy, disable=disable, dynamic_ncols=True) as bar:
         while not run.done:
+            _raise_if_interrupted()
             warnings = run.warnings()
             for text in warnings[shown:]:  # said at once, above the bar, not only in the summary
                 tqdm.write(f"workbench: warning: {text}", file=sys.stderr)
