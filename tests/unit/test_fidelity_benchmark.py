@@ -99,3 +99,20 @@ def test_the_picture_draws_a_line_per_run_and_a_panel_per_condition():
     by_samples = held_out_figure({"cells": cells}, against="samples").figure.axes[0]
     assert list(by_samples.get_lines()[0].get_xdata()) == [64 * 64, 128 * 64]
     assert picture.png().startswith(b"\x89PNG")
+
+
+def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
+    cells = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.0)]), cell("ddp", "100mbit", [(40, 2.5), (80, 2.2)], seed=1),
+             cell("async p4", "100mbit", [(10, 2.9), (20, 2.5)]), cell("average p64", "100mbit", [(10, 2.3), (20, 1.9)]),
+             {"config": "auto", "condition": "100mbit", "seed": 0, "error": "TimeoutError: over 1800 s"}]
+    for c in cells:
+        c.setdefault("wall_s", c["curve"][-1]["seconds"] if "curve" in c else None)
+    result = {"cells": cells, **fidelity.headline(cells, quick=True)}
+    lines = fidelity.table(result).splitlines()
+    assert lines[0] == "| 100mbit | seeds | held-out loss | vs DDP | wall time | to 2.100 |"  # DDP's median end
+    rows = [line.split(" | ") for line in lines[2:6]]
+    assert [row[0] for row in rows] == ["| PyTorch DDP", "| `average p64`", "| `async p4`", "| `auto`"]
+    assert rows[0][1:5] == ["2", "2.100", "1.000", "80 s"]
+    assert rows[1][2:6] == ["1.900", "0.905", "20 s", "15 s |"]  # 2.1 at 10 + 10 * (2.3 - 2.1) / (2.3 - 1.9) s
+    assert rows[2][5] == "never |" and rows[3][2].startswith("failed: TimeoutError")
+    assert "- `auto_time_to_target_vs_best_fixed`: null" in lines
