@@ -9,7 +9,7 @@ import pytest
 
 from widgets.dashboard.access import Access, is_loopback, load_credentials, policy
 from widgets.dashboard.app import DashboardSession
-from widgets.dashboard.hub import Hub, RunFeed
+from widgets.dashboard.hub import Hub, FollowedRun
 from workbench.errors import ConfigError
 from workbench.plane.metrics import MetricsTable
 from workbench.cluster.announcements import control_request
@@ -64,7 +64,7 @@ def _steps(worker, steps, start=1000.0):
 
 
 def test_replay_stitches_history_and_live_records_without_gaps_or_repeats():
-    feed = RunFeed("r")
+    feed = FollowedRun("r")
     feed.start_buffering()
     live = _steps(0, range(8, 12))
     for record in live:  # arrive on the subscription while the history is read

@@ -16,21 +16,28 @@ from workbench.job import loss_function
 from workbench.plane.metrics import best_metric, communication_summary, control_markers, staleness_summary, time_split
 
 
-def snapshot(run: Any) -> dict[str, Any]:
-    """Everything a live view of the run shows. Cheap at any run length: built from running aggregates,
-    with the loss curve at most 400 points."""
-    view = run.table.live_view()
-    rate = run.table.throughput(5.0)
+def live_view(table: Any, **options: Any) -> dict[str, Any]:
+    """The live view of a run's metrics table, the one the notebook panel (through `snapshot`) and the
+    team dashboard (its hub) both draw: the curves (thinned, `options` as `MetricsTable.live_view` takes
+    them), each worker's row with its rate over the last 5 s, the total rate and the control markers.
+    Cheap at any run length: built from running aggregates."""
+    view = table.live_view(**options)
+    rate = table.throughput(5.0)
     for row in view["workers"]:
         row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
+    return {**view, "samples_per_s": rate["samples_per_s"], "markers": control_markers(table.events())}
+
+
+def snapshot(run: Any) -> dict[str, Any]:
+    """Everything a live view of the run shows in a notebook: the live view and the run's own state."""
+    view = live_view(run.table)
     try:
         dashboard = run.client.dashboard_link if run.client is not None else None
     except Exception:  # a scheduler without a dashboard
         dashboard = None
     return {**view, "run_id": getattr(run, "run_id", None), "status": run.status, "strategy": run.strategy,
             "settings": run.settings, "lr": run.lr, "error": run.error, "progress": run.progress(),
-            "total_steps": run.total_steps, "samples_per_s": rate["samples_per_s"],
-            "markers": control_markers(run.table.events()), "dashboard": dashboard, "waiting": run.waiting(),
+            "total_steps": run.total_steps, "dashboard": dashboard, "waiting": run.waiting(),
             "directory": str(run.directory.path) if run.directory is not None else None}
 
 
