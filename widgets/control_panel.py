@@ -15,11 +15,11 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
+from workbench.cli.setting_flags import FormField, form_fields, parse_optional
+from workbench.evaluation import held_out_text
 from workbench.run import worker_spread
 from workbench.run.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
-from workbench.evaluation import held_out_text
 from workbench.run.lifecycle import FINISHED_STATES
-from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.strategies import STRATEGIES, get_strategy
 
 # The live setting the period slider moves, per strategy: steps between synchronisations or pushes.

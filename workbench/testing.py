@@ -20,16 +20,15 @@ from typing import Any
 
 import torch
 
-from workbench.plane import kinds
 from workbench.comm.averaging import flatten, slice_optimizer_state, unflatten_into
-from workbench.plane.control import ControlState
 from workbench.job import Job
+from workbench.plane import kinds
+from workbench.plane.control import ControlState
 from workbench.plane.metrics import MetricsSender, expand
 from workbench.server.shards import ParameterShard, ServerHandle
 from workbench.sharding import shard_size, split_ranges
 from workbench.strategies import get_strategy, make_settings
 from workbench.worker.loop import WorkerTask, _Loop
-
 
 DONE = object()  # the work handle of a collective already complete
 

@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.plane import kinds
-from workbench.cluster import leases
-from workbench.cluster import membership
-from workbench.plane.metrics import MetricsTable, best_metric, expand, topic
-from workbench.run.views import live_view
+from workbench.cluster import leases, membership
 from workbench.cluster.announcements import RUNS_TOPIC, send_control_request
+from workbench.plane import kinds
+from workbench.plane.metrics import MetricsTable, best_metric, expand, topic
 from workbench.plane.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_metrics
+from workbench.run.views import live_view
 
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes

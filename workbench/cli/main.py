@@ -17,20 +17,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from workbench.cluster import connection as cluster_module
 from workbench import extensions
-from workbench.plane import kinds
-from workbench.run.autopilot import AUTO, START as AUTO_START
 from workbench.checks import check_number, check_positive_int, check_positive_number
 from workbench.cli.arguments import EXIT_BAD_INPUT, OneLineParser, add_tls_arguments, tls_security
+from workbench.cli.setting_flags import add_setting_flags, chosen_settings
+from workbench.cluster import connection as cluster_module
 from workbench.data import as_source, resolve_dataset, stdlib_text
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.job import DEVICES, OPTIMIZERS, PRECISIONS, Job
 from workbench.models import GPT_SIZES, gpt, mlp
-from workbench.schedule import SCHEDULES
-from workbench.plane import checkpoint_format as checkpoints
+from workbench.plane import checkpoint_format as checkpoints, kinds
+from workbench.run.autopilot import AUTO, START as AUTO_START
 from workbench.run.handle import resume, train
-from workbench.cli.setting_flags import add_setting_flags, chosen_settings
+from workbench.schedule import SCHEDULES
 from workbench.strategies import STRATEGIES, make_settings, suggested_sgd
 
 EXIT_FAILED = 1

@@ -10,9 +10,9 @@ import logging
 import time
 from typing import Any
 
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.plane import kinds
 from workbench.run.auto_policy import Chooser, measure
-from workbench.errors import ConfigError, WorkbenchError
 
 AUTO = "auto"
 SUMMARY = ("auto: the workbench picks the strategy and its settings from what the run measures (link, "

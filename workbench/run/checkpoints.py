@@ -14,8 +14,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
-from workbench.plane import kinds
-from workbench.plane import checkpoint_format as checkpoints
+from workbench.plane import checkpoint_format as checkpoints, kinds
 
 
 def age(checkpoint: dict[str, Any]) -> tuple[int, int, bool]:

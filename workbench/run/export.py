@@ -27,8 +27,8 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any
 
-from workbench.plane import kinds
 from workbench.errors import ConfigError
+from workbench.plane import kinds
 
 WRITE_EVERY_S = 0.5  # how often the export thread writes what arrived
 SETTLE_S = 2.0  # a second is complete this long after it ended (workers send their records every 0.25 s)

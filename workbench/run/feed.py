@@ -14,11 +14,10 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
-from workbench.plane import kinds
-from workbench.run.health import LossWatch
-from workbench.plane.metrics import MetricsTable, expand, messages_in, topic
 from workbench.cluster.announcements import RUNS_TOPIC
-
+from workbench.plane import kinds
+from workbench.plane.metrics import MetricsTable, expand, messages_in, topic
+from workbench.run.health import LossWatch
 
 
 class RunFeed:

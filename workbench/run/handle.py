@@ -24,27 +24,26 @@ import cloudpickle
 import torch
 from distributed import Client
 
-from workbench.plane import kinds
-from workbench.plane import checkpoint_format as checkpoints
-from workbench.cluster import membership
-from workbench.run.checkpoints import CheckpointStore
-from workbench.run.autopilot import AUTO, START as AUTO_START, AutoPilot, check_no_settings
 from workbench.checks import check_run_options
-from workbench.plane.control import ControlState, ControlWriter
+from workbench.cluster import membership
 from workbench.errors import ConfigError, DivergenceError, ResumeError, TrainingError
+from workbench.job import Job, PreparedJob, check_lr
+from workbench.plane import checkpoint_format as checkpoints, kinds
+from workbench.plane.control import ControlState, ControlWriter
+from workbench.plane.metrics import MetricsTable, topic
+from workbench.plane.rundir import CONFIG_FILE, RunDirectory, atomic_write, read_metrics
+from workbench.run.autopilot import AUTO, START as AUTO_START, AutoPilot, check_no_settings
+from workbench.run.checkpoints import CheckpointStore
 from workbench.run.export import Exports, check_export_options
 from workbench.run.feed import RunFeed, announce
 from workbench.run.health import LossWatch
-from workbench.job import Job, PreparedJob, check_lr
 from workbench.run.launcher import Group, check_batch_fits, resolve_client, wanted_workers
 from workbench.run.lifecycle import Lifecycle
-from workbench.plane.metrics import MetricsTable, topic
 from workbench.run.placement import Placement
 from workbench.run.requests import RequestServer
-from workbench.run.views import RunViews
-from workbench.plane.rundir import CONFIG_FILE, RunDirectory, atomic_write, read_metrics
-from workbench.strategies import get_strategy, make_settings
 from workbench.run.supervisor import Supervisor
+from workbench.run.views import RunViews
+from workbench.strategies import get_strategy, make_settings
 from workbench.worker.host import describe_device
 
 MAX_SAVED_JOB_BYTES = 64 * 2**20  # a job (with its data) larger than this is not saved for resume()

@@ -15,7 +15,6 @@ from typing import Any
 from workbench.plane import kinds
 from workbench.strategies import suggested_sgd
 
-
 CLIMB_FACTOR = 2.0  # a recent loss this many times the starting loss ...
 CLIMB_MARGIN = 0.5  # ... and at least this much above it (small losses are noisy in ratio) is climbing
 STALL_FRACTION = 0.9  # a recent loss above this share of the starting loss has not come down

@@ -15,13 +15,12 @@ from typing import Any
 from distributed import Client
 from distributed.comm import get_address_host
 
-from workbench.plane import checkpoint_format as checkpoints
 from workbench.comm import collectives
-from workbench.plane import relay as metrics_relay
-from workbench.plane.control import ControlState
 from workbench.data import BuiltinData, DaskArrayData, DataSource
 from workbench.errors import ClusterError, ConfigError
 from workbench.job import Job, PreparedJob
+from workbench.plane import checkpoint_format as checkpoints, relay as metrics_relay
+from workbench.plane.control import ControlState
 from workbench.sharding import assign_blocks, shard_size
 from workbench.strategies import make_settings
 from workbench.worker.loop import WorkerTask, train_on_worker

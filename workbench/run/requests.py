@@ -12,10 +12,10 @@ import time
 from queue import SimpleQueue
 from typing import Any
 
-from workbench.plane import kinds
-from workbench.errors import ConfigError
-from workbench.plane.metrics import topic
 from workbench.cluster.announcements import CONTROL_ACTIONS, requests_topic
+from workbench.errors import ConfigError
+from workbench.plane import kinds
+from workbench.plane.metrics import topic
 
 
 class RequestServer:

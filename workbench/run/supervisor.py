@@ -15,14 +15,14 @@ from typing import Any
 
 from distributed.scheduler import KilledWorker
 
-from workbench.plane import kinds
-from workbench.run import regroup
-from workbench.errors import ConfigError, DivergenceError
-from workbench.run.launcher import FutureWatch, LaunchOptions, check_batch_fits, launch, present_workers
-from workbench.cluster.membership import Roster
-from workbench.plane.metrics import topic
 from workbench.cluster.announcements import requests_topic
+from workbench.cluster.membership import Roster
+from workbench.errors import ConfigError, DivergenceError
+from workbench.plane import kinds
+from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
+from workbench.run import regroup
+from workbench.run.launcher import FutureWatch, LaunchOptions, check_batch_fits, launch, present_workers
 from workbench.strategies import get_strategy, make_settings
 
 SUPERVISION_TICK_S = 0.25  # how often the supervisor looks at membership, checkpoints due and joins

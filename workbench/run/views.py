@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from workbench.plane import kinds
 from workbench.data import as_source
 from workbench.errors import ConfigError, TrainingError
 from workbench.evaluation import evaluate
 from workbench.job import loss_function
+from workbench.plane import kinds
 from workbench.plane.metrics import best_metric, communication_summary, control_markers, staleness_summary, time_split
 
 

@@ -24,13 +24,18 @@ from typing import Any
 import torch
 from distributed.protocol import register_generic
 
-from workbench.comm.averaging import flat_optimizer_state, join_optimizer_states, load_flat_optimizer_state, slice_optimizer_state
-from workbench.server.compression import Packet, decode
+from workbench.comm.averaging import (
+    flat_optimizer_state,
+    join_optimizer_states,
+    load_flat_optimizer_state,
+    slice_optimizer_state,
+)
 from workbench.errors import TrainingError
 from workbench.job import Job, make_optimizer
+from workbench.server.book import ServerBook
+from workbench.server.compression import Packet, decode
 from workbench.server.replies import ElasticMirrors, WeightMirrors
 from workbench.sharding import split_ranges
-from workbench.server.book import ServerBook
 
 
 @dataclasses.dataclass

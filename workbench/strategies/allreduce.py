@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
 from workbench.checks import check_positive_number
+from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
 from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 

@@ -29,10 +29,20 @@ from typing import Any
 
 import torch
 
-from workbench.comm.averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
-                         optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
-from workbench.errors import ConfigError
 from workbench.checks import check_positive_int, check_positive_number
+from workbench.comm.averaging import (
+    WIRE_DTYPES,
+    all_reduce_bytes_sent,
+    decode_average,
+    delayed_apply,
+    encode_weights,
+    flatten,
+    optimizer_state_tensors,
+    outer_step,
+    relative_divergence,
+    unflatten_into,
+)
+from workbench.errors import ConfigError
 from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, check_wire_dtype
 
 

@@ -11,7 +11,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from workbench.comm.averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
+from workbench.comm.averaging import (
+    WIRE_DTYPES,
+    flat_optimizer_state,
+    flatten,
+    load_flat_optimizer_state,
+    unflatten_into,
+)
 from workbench.errors import ConfigError
 from workbench.job import make_optimizer
 

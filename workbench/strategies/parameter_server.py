@@ -22,14 +22,21 @@ from typing import Any
 
 import torch
 
+from workbench.checks import check_positive_int, check_positive_number
 from workbench.comm.averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
-from workbench.server.compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
-                           validate_compression)
-from workbench.errors import ConfigError
 from workbench.comm.device_staging import HostStaging, to_host
+from workbench.errors import ConfigError
+from workbench.server.compression import (
+    COMPRESSIONS,
+    SPARSE_COMPRESSIONS,
+    ErrorFeedback,
+    add_decoded,
+    decode,
+    encode,
+    validate_compression,
+)
 from workbench.server.replies import KnownWeights
 from workbench.server.shards import Call, Replies, ServerClient, ServerHandle, merge_replies
-from workbench.checks import check_positive_int, check_positive_number
 from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext
 
 

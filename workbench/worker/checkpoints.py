@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from workbench.plane import kinds
 from workbench.comm.averaging import flatten
 from workbench.comm.device_staging import to_host
-from workbench.plane.checkpoint_format import all_finite, leave_snapshot, wait_fetched
 from workbench.errors import DivergenceError
+from workbench.plane import kinds
+from workbench.plane.checkpoint_format import all_finite, leave_snapshot, wait_fetched
 from workbench.strategies.base import Carried, TrainingContext
 
 

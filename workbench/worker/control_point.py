@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from workbench.comm import collectives
-from workbench.plane import kinds
 from workbench.comm.averaging import fingerprint, flatten
+from workbench.plane import kinds
 from workbench.plane.control import ControlPoller, ControlState
 from workbench.strategies import get_strategy, make_settings
 from workbench.worker.switching import Decision, Position, SwitchRequest, decide

@@ -23,21 +23,20 @@ from distributed import get_client, get_worker, secede
 from distributed.comm import get_address_host
 
 from workbench.comm import collectives
-from workbench.plane import kinds
-from workbench.plane import relay as metrics_relay
 from workbench.comm.averaging import fingerprint, flatten
-from workbench.plane.checkpoint_format import data_position
-from workbench.plane.control import ControlPoller
+from workbench.comm.transport import ProcessGroupTransport, Transport
 from workbench.data import DataSource, Shard, concatenate_blocks
 from workbench.errors import DivergenceError
 from workbench.evaluation import evaluate
 from workbench.job import Job, autocast, loss_function
+from workbench.plane import kinds, relay as metrics_relay
+from workbench.plane.checkpoint_format import data_position
+from workbench.plane.control import ControlPoller
 from workbench.plane.metrics import MetricsSender, topic
 from workbench.schedule import lr_factor
 from workbench.strategies import StrategySettings, TrainingContext, get_strategy
 from workbench.worker.checkpoints import LoopCheckpoints
 from workbench.worker.control_point import CONTROL_AGREEMENT_S, CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
-from workbench.comm.transport import ProcessGroupTransport, Transport
 from workbench.worker.host import GpuGauge, configure_worker_for_training, resolve_device
 
 

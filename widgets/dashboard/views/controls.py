@@ -15,9 +15,9 @@ from typing import Any
 
 import panel as pn
 
-from workbench.run.autopilot import AUTO, check_no_settings
-from workbench.job import check_lr
 from workbench.cli.setting_flags import FormField, form_fields, parse_optional
+from workbench.job import check_lr
+from workbench.run.autopilot import AUTO, check_no_settings
 from workbench.strategies import STRATEGIES, make_settings
 
 from ..hub import ENDED
