@@ -137,7 +137,7 @@ class ControlPanel:
         self.setting_widgets = {field.name: _setting_widget(field, current.get(field.name, field.value))
                                 for field in form_fields(strategy)}
         self.settings_box.children = list(self.setting_widgets.values())
-        self.strategy_help.value = f"<small>{html.escape(strategy_class.summary)}</small>"
+        self.strategy_help.value = f"<small>{html.escape(strategy_class.traits.summary)}</small>"
 
     # --- actions ----------------------------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ def test_every_strategy_trains_in_process_and_ends_with_common_weights(strategy,
     last = sum(r["loss"] for r in steps[-2 * WORLD * 5:]) / (2 * WORLD * 5)
     assert last < 0.5 * first, (strategy, first, last)
     assert len({tuple(result["weights"]) for result in run.results}) == 1  # every rank ended equal
-    if not get_strategy(strategy).uses_process_group:
+    if not get_strategy(strategy).traits.uses_process_group:
         staleness = [r["staleness"] for r in steps if r.get("staleness") is not None]
         # Replies are taken as they come back (overlapped with the next steps): most are counted, and
         # with two ranks pushing, some push finds the other's in between.

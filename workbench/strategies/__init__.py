@@ -30,7 +30,8 @@ def get_strategy(name: str) -> type[Strategy]:
 
 def suggested_sgd(name: str) -> dict[str, float]:
     """The SGD learning rate and momentum strategy `name` trains well with by default."""
-    return dict(get_strategy(name).suggested_sgd)
+    traits = get_strategy(name).traits
+    return {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum}
 
 
 def make_settings(name: str, values: dict[str, Any]) -> StrategySettings:

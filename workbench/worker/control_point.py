@@ -146,7 +146,7 @@ class ControlPoint:
         loop, strategy = self.loop, self.loop.strategy
         self._settle()  # before reading the control state: what arrived meanwhile is agreed on now
         control, interval = self._agree(self.poller.latest())
-        if control.checkpoint_id > self.known_checkpoint and not strategy.uses_process_group:
+        if control.checkpoint_id > self.known_checkpoint and not strategy.traits.uses_process_group:
             self.known_checkpoint = control.checkpoint_id
             if self.task.rank == 0:  # taken alone, here and now (see `LoopCheckpoints.due`)
                 self._take_checkpoint()
@@ -199,7 +199,7 @@ class ControlPoint:
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:
         """Rank 0's control state and agreement interval on every rank (each its own without a group)."""
-        if not self.loop.strategy.uses_process_group:
+        if not self.loop.strategy.traits.uses_process_group:
             return local, 1
         message = self.loop.comm.broadcast_json(
             {"control": local.to_message(), "interval": self._control_interval()} if self.task.rank == 0 else None)
@@ -236,7 +236,7 @@ class ControlPoint:
         decision = decide(positions, self.applied_switch, self.known_checkpoint)
         if decision.newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
             self.control = ControlState.from_message(decision.newest)
-        if not self.loop.strategy.uses_process_group:
+        if not self.loop.strategy.traits.uses_process_group:
             # Ranks of a parameter-server run read checkpoint requests on their own; from here on they
             # agree on the newest (a switch to a process-group strategy needs them to).
             self.known_checkpoint = max(self.known_checkpoint, decision.newest.get("checkpoint_id", 0))
@@ -263,8 +263,8 @@ class ControlPoint:
         # Between two local-SGD strategies each worker goes on with its own optimizer state and, where the
         # old one keeps a common base and the new one can start from it, its own weights: what it would
         # have gone on with, and no model-sized exchange to bring the workers together first.
-        own = old.own_optimizer_states and new_class.own_optimizer_states
-        common = old.common_base(context) if own and new_class.takes_own_weights else None
+        own = old.traits.own_optimizer_states and new_class.traits.own_optimizer_states
+        common = old.common_base(context) if own and new_class.traits.takes_own_weights else None
         if common is None:
             old.finish(context)  # common weights: averaged, or the server's
         lap("finish")
