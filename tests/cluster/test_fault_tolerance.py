@@ -125,9 +125,11 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [target]
     assert sorted(regrouped[0]["workers"]) == sorted(a for a in addresses if a != target)
     # Noticed at once, and the survivors regrouped soon after, whatever the (long) timeout: nobody waits
-    # for a peer or a server shard known to be gone.
-    assert lost[0]["time"] - killed_at < 3
-    assert regrouped[0]["time"] - lost[0]["time"] < 2
+    # for a peer or a server shard known to be gone. Bounded by a share of that timeout, not by a second
+    # or two: beside the session's other clusters on 2 cores a step alone can take that long, and how
+    # long a recovery takes is a benchmark's figure, not a test's.
+    assert lost[0]["time"] - killed_at < LONG_TIMEOUT_S / 4
+    assert regrouped[0]["time"] - lost[0]["time"] < LONG_TIMEOUT_S / 4
     # The survivors left the broken group; none is recorded as failed.
     assert not run.events("worker-failed")
     left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}

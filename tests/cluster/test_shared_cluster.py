@@ -107,7 +107,8 @@ def test_teammates_starting_at_the_same_moment_never_collide(free_cluster, sched
                 assert end["status"] == "finished" and len(end["workers"]) == 2, end
                 assert end["steps"] == end["total_steps"]
         first, second = sorted(ends, key=lambda end: end["queued_s"])
-        assert second["queued_s"] > 0.5 and first["queued_s"] < 0.5  # waited, then started on its own
+        # The queued one waited for the first to end (seconds of training), then started on its own.
+        assert second["queued_s"] > 0.5 and first["queued_s"] < second["queued_s"] / 2
         assert min(first["accuracy"], second["accuracy"]) >= 0.8
         for process in processes:
             assert process.wait(timeout=60) == 0
