@@ -41,6 +41,8 @@ class ThreadGroup:
         self.world_size = world_size
         self._barrier = threading.Barrier(world_size, timeout=timeout_s)
         self._slots: list[Any] = [None] * world_size
+        self._met: dict[int, set[int]] = {}  # meeting point -> ranks come to it (`meet`)
+        self._meeting = threading.Condition()
 
     def exchange(self, rank: int, value: Any) -> list[Any]:
         self._slots[rank] = value
@@ -48,6 +50,19 @@ class ThreadGroup:
         gathered = list(self._slots)
         self._barrier.wait()  # no rank overwrites its slot before every rank has read them all
         return gathered
+
+    def meet(self, rank: int, point: int, give_up: Callable[[], bool]) -> bool:
+        """As `collectives.meet`: no deadline of its own; a failed rank (`abort`) fails the wait."""
+        with self._meeting:
+            self._met.setdefault(point, set()).add(rank)
+            self._meeting.notify_all()
+            while len(self._met[point]) < self.world_size:
+                if self._barrier.broken:
+                    raise threading.BrokenBarrierError
+                if give_up():
+                    return False
+                self._meeting.wait(0.05)
+        return True
 
     def abort(self) -> None:
         """A rank failed: every rank waiting in a collective fails too (BrokenBarrierError), as on a cluster."""
@@ -145,6 +160,9 @@ class ThreadTransport:
 
     def barrier(self) -> None:
         self._all(None)
+
+    def meet(self, point: int, give_up: Callable[[], bool]) -> bool:
+        return self.group.meet(self.rank, point, give_up)
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], source_rank: int = 0) -> None:
         if tensors:

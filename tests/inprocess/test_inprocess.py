@@ -4,6 +4,9 @@ strategy is checked here in about a second: the synchronous ones against a plain
 loop on the same batches, bit for bit up to float rounding; the asynchronous ones for training, equal
 final weights, and their staleness. The real-cluster tier (test_training, test_switch, ...) keeps what
 needs processes: gloo, Dask actors, lost workers."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -195,3 +198,25 @@ def test_an_overlapped_exchange_that_ended_behind_the_steps_counts_all_its_time_
             assert record["exchange_s"] > 0
             hidden, beyond = record["comm_total_s"] - record["comm_s"], record["comm_total_s"] - record["exchange_s"]
             assert 0 <= hidden <= record["exchange_s"] + 1e-9 and 0 <= beyond <= record["comm_s"] + 1e-9
+
+
+class _SlowOnRankOne(torch.nn.Module):
+    """The fixed MLP, 30 ms slower a step on rank 1's thread: a worker behind another on a thin link."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = fixed_mlp()
+
+    def forward(self, inputs):
+        if threading.current_thread().name == "workbench-rank-1":
+            time.sleep(0.03)
+        return self.inner(inputs)
+
+
+def test_an_asynchronous_worker_far_behind_is_waited_for_at_the_end_not_timed_out():
+    # Rank 1 ends at least 100 x 30 ms = 3 s after rank 0, more than the 2 s collective timeout: the
+    # end-of-run rendezvous used to be a collective that waited out that timeout and failed the run.
+    run = train_in_process(job(model=_SlowOnRankOne, steps=100, **suggested_sgd("async")), "async", WORLD,
+                           timeout_s=2.0, push_every=4)
+    assert [len(run.steps(rank)) for rank in range(WORLD)] == [100] * WORLD
+    assert len({tuple(result["weights"]) for result in run.results}) == 1  # both ended on the server's weights

@@ -102,6 +102,8 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
         backend = backend_for(device, _gpus_shared(store, rank, world_size, device))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
+        global _store
+        _store = store
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter
         # moved on here and not on the other ranks, and every later run on this worker then waited for
@@ -205,7 +207,34 @@ def check_reachable(store: Any, rank: int, world_size: int, address: str, timeou
             f"or leave it unset so the workbench binds to the interface of each worker's Dask address")
 
 
+MEET_POLL_S = 0.05  # how often a rank waiting to meet looks whether the others have come (store reads of bytes)
+
+
+def meet(point: int, give_up: Callable[[], bool]) -> bool:
+    """Wait until every rank of the group has come to meeting `point` (numbered alike on every rank), with
+    no deadline of its own: a rank of an asynchronous strategy may be minutes behind another on a thin
+    link, and a collective waited on meanwhile would time out (`collective_timeout_s`) though nothing is
+    wrong. Marks come and go through the group's store. Returns False at once when `give_up()` says so
+    (the client ended the group: a lost or failed peer, whose own waits all have deadlines; or the
+    client is gone)."""
+    store, rank, world_size = _store, dist.get_rank(), dist.get_world_size()
+    keys = [f"workbench-meet-{point}-{other}" for other in range(world_size)]
+    try:
+        store.set(keys[rank], b"1")
+        while not store.check(keys):
+            if give_up():
+                return False
+            threading.Event().wait(MEET_POLL_S)
+    except Exception:
+        if give_up():  # the group was broken under the wait because the client ended it
+            return False
+        raise
+    return True
+
+
 def destroy_process_group() -> None:
+    global _store
+    _store = None
     with _breaking:
         _group_sockets.clear()
     if dist.is_initialized():
@@ -215,6 +244,7 @@ def destroy_process_group() -> None:
 
 
 _group_ended = threading.Condition()  # notified when this process leaves its process group
+_store: Any = None  # the process group's store while this process belongs to one (`meet`)
 
 
 # The sockets the process group opened (gloo's connections to its peers and the store's): descriptor ->

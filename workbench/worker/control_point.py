@@ -61,6 +61,7 @@ class ControlPoint:
         self.settled_s = 0.0  # waited at this control point for the strategy's exchange in flight (`settle`)
         self.joined_group = False
         self.group_broken = False
+        self.meetings = 0  # rendezvous of an asynchronous strategy so far (`_rendezvous`), alike on every rank
 
     # --- is this group still wanted? ------------------------------------------------------------------
 
@@ -228,6 +229,14 @@ class ControlPoint:
 
     def _rendezvous(self, at_end: bool, stopping: bool = False) -> Decision:
         """Meet every other rank (see `switching`); all return the same decision."""
+        if not self.loop.strategy.traits.uses_process_group:
+            # The ranks of an asynchronous strategy run at their own pace: one out of steps (or at a switch)
+            # may be far ahead of another on a thin link. They first meet without a deadline (a lost peer
+            # ends the wait through `superseded`), so that the collective below never waits out its timeout
+            # on a peer that is only behind (seen: `async` p4 at 20 Mbit/s, issue 46).
+            self.meetings += 1
+            if not self.loop.comm.meet(self.meetings, self.superseded):
+                raise Superseded
         self._settle()
         latest = self.poller.latest()
         newest = latest if latest.version > self.control.version else self.control
