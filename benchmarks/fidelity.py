@@ -347,8 +347,9 @@ def plan(arguments: argparse.Namespace) -> list[Cell]:
     conditions = ["100mbit"] if arguments.quick else [c for c in arguments.conditions.split(",") if c]
     configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK)
                and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
+    ddp = not arguments.only or "ddp" in arguments.only.split(",")  # the reference, unless --only leaves it out
     return [cell for condition in conditions
-            for cell in [(condition, "ddp", "ddp", {}, 0)] + [(condition, *c, 0) for c in configs]]
+            for cell in [(condition, "ddp", "ddp", {}, 0)] * ddp + [(condition, *c, 0) for c in configs]]
 
 
 def seeded(arguments: argparse.Namespace, measured: list[dict[str, Any]]) -> list[Cell]:
@@ -369,7 +370,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256, help="steps per worker, the budget of every run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
-    parser.add_argument("--only", default=None)
+    parser.add_argument("--only", default=None, help="comma-separated parts of configuration names (and 'ddp')")
     parser.add_argument("--cell-timeout-s", type=float, default=1800)
     parser.add_argument("--out", default=None)
     parser.add_argument("--draw", nargs=2, metavar=("RESULT", "PNG"), default=None,
