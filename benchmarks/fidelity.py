@@ -318,7 +318,7 @@ def table(result: dict[str, Any]) -> str:
             ratio = finals[name] / finals["ddp"] if finals.get("ddp") and finals[name] is not None else None
             error = next((c["error"] for c in seeds if c.get("error")), None)
             lines.append(f"| {'PyTorch DDP' if name == 'ddp' else f'`{name}`'} | {len(seeds)} | "
-                         + (f"failed: {error[:60]} | | | |" if finals[name] is None and error else
+                         + (f"failed: {error.splitlines()[0][:60]} | | | |" if finals[name] is None and error else
                             f"{cell(finals[name], '.3f')} | {cell(ratio, '.3f')} | {cell(wall, '.0f')} s | "
                             f"{cell(times.get(name), '.0f')}{' s' if times.get(name) is not None else ''} |"))
         lines.append("")
