@@ -1,6 +1,6 @@
 """`auto` against fixed strategies on the emulated hosts: time to a held-out accuracy target per condition.
 
-Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
+Runs on the lab (`testbed/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
 client, hosts 1 and 2 one `dask worker` each. The job: `digits`, MLP 64-H-H-10 (`--hidden`, 1024), batch
 32 per worker, held-out evaluation every 20 steps on worker 0, each strategy's suggested SGD with the lr
 times `--lr-scale` (`auto` starts with allreduce's and changes the lr as it switches). Conditions: the
@@ -40,7 +40,7 @@ from typing import Any
 
 import cloudpickle
 
-log = logging.getLogger("workbench.autopilot")  # --verbose: beside auto's judgements, on one clock
+log = logging.getLogger("workbench.run.autopilot")  # --verbose: beside auto's judgements, on one clock
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
            ("average p64", "average", {"period": 64, "overlap": True}),
@@ -79,7 +79,7 @@ def ensure_workers(lab: Any, client: Any, hosts: tuple[int, ...] = (1, 2)) -> No
 def to_target(lab: Any, client: Any, strategy: str, settings: dict[str, Any], condition: str,
               arguments: argparse.Namespace, scratch: Path, limit_s: float) -> dict[str, Any]:
     import workbench
-    from workbench import kinds
+    from workbench.plane import kinds
     from workbench.strategies import suggested_sgd
 
     sgd = suggested_sgd("allreduce" if strategy == "auto" else strategy)
@@ -224,8 +224,8 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.verbose:
         logging.basicConfig(format="%(created).1f %(message)s")
-        logging.getLogger("workbench.autopilot").setLevel(logging.DEBUG)
-    from workbench import lab as labs
+        logging.getLogger("workbench.run.autopilot").setLevel(logging.DEBUG)
+    from testbed import lab as labs
 
     reason = labs.available()
     if reason is not None:

@@ -140,7 +140,7 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from workbench.collectives import find_free_port as free_port
+    from workbench.comm.collectives import find_free_port as free_port
 
     client = workbench.connect(workers=arguments.workers, dashboard_address=":0")
     run_dir = tempfile.mkdtemp(prefix="dashboard-cost-")
@@ -299,7 +299,7 @@ def renice(pid: int, niceness: int) -> None:
 def websocket_main(arguments: argparse.Namespace) -> None:
     import psutil
 
-    from workbench.collectives import find_free_port as free_port
+    from workbench.comm.collectives import find_free_port as free_port
 
     counts = [int(n) for n in arguments.viewers.split(",")]
     if counts[0] != 0:

@@ -4,7 +4,7 @@ The job: the character-level GPT (gpt-mini, 0.84M parameters, context 64) on the
 source (`stdlib-text`), AdamW at 3e-3 with 5% warm-up and cosine decay, batch 32 windows per worker, the
 same budget of steps per worker for every run (`--steps`, so every run sees the same samples), a
 held-out evaluation on worker 0 every 64 steps (a multiple of every averaging period, so `average` is
-judged on its averaged weights) and at the end. Two worker hosts on the lab (`workbench/lab.py`, host 0
+judged on its averaged weights) and at the end. Two worker hosts on the lab (`testbed/lab.py`, host 0
 the scheduler and client), under the conditions: links unlimited, 100 Mbit/s, 20 Mbit/s (`tbf`, no added
 delay), and one slow host (host 2 at half a core, link unlimited).
 
@@ -31,7 +31,8 @@ DDP and `allreduce` take 6-7 minutes each); run it where nothing else runs.
 
     python benchmarks/fidelity.py [--quick] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
                                   [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
-    python benchmarks/fidelity.py --draw benchmarks/results/cpu-2core/fidelity-quick.json docs/fidelity-quick.png
+    python benchmarks/fidelity.py --draw benchmarks/results/cpu-2core/fidelity.json docs/fidelity.png
+    python benchmarks/fidelity.py --table benchmarks/results/cpu-2core/fidelity.json
 """
 from __future__ import annotations
 
@@ -288,10 +289,43 @@ def draw(result_path: Path, picture: Path) -> None:
     from widgets.figures import held_out_figure
 
     result = json.loads(result_path.read_text())
-    title = (f"{MODEL} on stdlib-text, 2 worker hosts, {result['settings']['budget']} "
-             f"(commit {result['commit'][:7]}, {result['date'][:10]})")
+    settings = result["settings"]
+    title = (f"{settings['model']} (context {settings['context']}) on stdlib-text, 2 worker hosts, "
+             f"{settings['budget']} (commit {result['commit'][:7]}, {result['date'][:10]})")
     held_out_figure(result, title=title).save(picture)
     print(f"drew {picture}")
+
+
+def table(result: dict[str, Any]) -> str:
+    """A result as Markdown: per condition, each configuration's held-out loss at the end of the budget
+    (the median over its seeds), against DDP's there, its wall time and its time to the target."""
+    def cell(value: float | None, form: str) -> str:
+        return "never" if value is None else format(value, form)
+
+    lines = []
+    for condition in dict.fromkeys(c["condition"] for c in result["cells"]):
+        runs = [c for c in result["cells"] if c["condition"] == condition]
+        names = list(dict.fromkeys(c["config"] for c in runs))
+        finals = {n: median_or_none([final_loss(c) for c in runs if c["config"] == n and c.get("curve")])
+                  for n in names}
+        times = result.get("time_to_target_s", {}).get(condition, {})
+        target = "the target" if result.get("target_loss") is None else f"{result['target_loss']:.3f}"
+        lines += [f"| {condition} | seeds | held-out loss | vs DDP | wall time | to {target} |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name in sorted(names, key=lambda n: (n != "ddp", finals[n] if finals[n] is not None else math.inf)):
+            seeds = [c for c in runs if c["config"] == name]
+            wall = median_or_none([c.get("wall_s") for c in seeds if c.get("curve")])
+            ratio = finals[name] / finals["ddp"] if finals.get("ddp") and finals[name] is not None else None
+            error = next((c["error"] for c in seeds if c.get("error")), None)
+            lines.append(f"| {'PyTorch DDP' if name == 'ddp' else f'`{name}`'} | {len(seeds)} | "
+                         + (f"failed: {error.splitlines()[0][:60]} | | | |" if finals[name] is None and error else
+                            f"{cell(finals[name], '.3f')} | {cell(ratio, '.3f')} | {cell(wall, '.0f')} s | "
+                            f"{cell(times.get(name), '.0f')}{' s' if times.get(name) is not None else ''} |"))
+        lines.append("")
+    keys = ("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
+            "auto_vs_best_fixed_by_condition", "auto_time_to_target_vs_best_fixed")
+    lines += [f"- `{key}`: {json.dumps(result.get(key), default=str)}" for key in keys]
+    return "\n".join(lines)
 
 
 def set_condition(lab: Any, condition: str) -> None:
@@ -313,8 +347,9 @@ def plan(arguments: argparse.Namespace) -> list[Cell]:
     conditions = ["100mbit"] if arguments.quick else [c for c in arguments.conditions.split(",") if c]
     configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK)
                and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
+    ddp = not arguments.only or "ddp" in arguments.only.split(",")  # the reference, unless --only leaves it out
     return [cell for condition in conditions
-            for cell in [(condition, "ddp", "ddp", {}, 0)] + [(condition, *c, 0) for c in configs]]
+            for cell in [(condition, "ddp", "ddp", {}, 0)] * ddp + [(condition, *c, 0) for c in configs]]
 
 
 def seeded(arguments: argparse.Namespace, measured: list[dict[str, Any]]) -> list[Cell]:
@@ -335,11 +370,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256, help="steps per worker, the budget of every run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
-    parser.add_argument("--only", default=None)
+    parser.add_argument("--only", default=None, help="comma-separated parts of configuration names (and 'ddp')")
     parser.add_argument("--cell-timeout-s", type=float, default=1800)
     parser.add_argument("--out", default=None)
     parser.add_argument("--draw", nargs=2, metavar=("RESULT", "PNG"), default=None,
                         help="only draw a result's held-out loss against wall time (widgets.figures), no measuring")
+    parser.add_argument("--table", metavar="RESULT", default=None,
+                        help="only print a result as Markdown tables (per condition) and its keys, no measuring")
     parser.add_argument("--ddp-rank", default=None, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.ddp_rank is not None:
@@ -348,9 +385,12 @@ def main() -> None:
     if arguments.draw:
         draw(Path(arguments.draw[0]), Path(arguments.draw[1]))
         return
+    if arguments.table:
+        print(table(json.loads(Path(arguments.table).read_text())))
+        return
     from gpt_gpu import commit
     from network import machine
-    from workbench import lab as labs
+    from testbed import lab as labs
 
     reason = labs.available()
     if reason:

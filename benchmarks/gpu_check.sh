@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's checks in one go, each stage under its own time limit so one cannot starve the next:
-# the gpu-marked tests (tests/test_gpu.py) in one pytest run; the real workload (benchmarks/gpt_gpu.py):
+# the gpu-marked tests (tests/cluster/test_gpu.py) in one pytest run; the real workload (benchmarks/gpt_gpu.py):
 # part 1, one compiled worker against a plain compiled loop with their model FLOPs utilisation, and part 2,
 # every strategy on workers sharing the GPU, whose run directories come back for the dashboard's picture;
 # optionally the older transformer throughput benchmark (benchmarks/throughput.py --device cuda).
@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 'dask', dask.__version__, 'dask-cuda', dask_cuda.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/device.txt"
 if [ "${TESTS_S:-200}" != 0 ]; then
   timeout -k 10 "${TESTS_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -q -rA --durations=0 \
-    ${1:+-k "$1"} tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 60
+    ${1:+-k "$1"} tests/cluster/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 60
 fi
 RUNS=/tmp/gpt-gpu-runs
 if [ "${GPT1_S:-200}" != 0 ]; then

@@ -1,6 +1,6 @@
 """Training across emulated hosts on slow links and with a slow host: every strategy against PyTorch DDP.
 
-Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
+Runs on the lab (`testbed/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
 client, hosts 1 and 2 one `dask worker` each, started as a user would. The job is the throughput
 benchmark's (MLP 784-1024-1024-10, 1.86M parameters, synthetic data, batch 128 per worker, SGD lr 0.01,
 one thread per process). Conditions: the link of every host unlimited, 1 Gbit/s, 100 Mbit/s and 20
@@ -186,7 +186,7 @@ def _side_by_side(spec: dict[str, Any], model: torch.nn.Module, optimizer: torch
     and the steps that end inside it are counted. Steps are short (20-80 ms), so the window's edges cost
     a step each. Waiting for the others rather than a fixed start: loading data and importing torch in
     four processes on two cores took longer than 6 s on a loaded lab."""
-    from workbench.rundir import atomic_write
+    from workbench.plane.rundir import atomic_write
 
     ready = Path(f"{spec['barrier']}-ready-{spec['rank']}")
     deadline = time.time() + spec["ready_timeout_s"]
@@ -457,7 +457,7 @@ class Cells:
 
     def workbench(self, strategy: str, settings: dict[str, Any]) -> dict[str, Any]:
         import workbench
-        from workbench.metrics import communication_summary, time_split
+        from workbench.plane.metrics import communication_summary, time_split
 
         job = lab_job()
         self.ensure_workers()
@@ -668,7 +668,7 @@ def cycle_steps(strategy: str, settings: dict[str, Any]) -> int:
 def ddp_bytes(world_size: int) -> dict[str, Any]:
     """Bytes each DDP rank sends (and receives) per step: a ring all-reduce of the float32 gradients.
     The workbench's strategies report their own."""
-    from workbench.averaging import all_reduce_bytes_sent
+    from workbench.comm.averaging import all_reduce_bytes_sent
 
     parameters = sum(p.numel() for p in _benchmark_model().parameters())
     per_step = all_reduce_bytes_sent(parameters * 4, world_size)
@@ -690,7 +690,7 @@ def window_steps(frame: Any, started: float, ended: float, cycle: int = 1) -> tu
     just after a burst or just after a wait, and a rate over 2-3 cycles moved by up to a quarter with
     where they fell (measured: `average` p16's two workers 2,017 and 1,755 samples/s in one window).
     Its samples/s are the samples of the steps after the first over that span."""
-    from workbench.metrics import throughput
+    from workbench.plane.metrics import throughput
 
     rates: dict[int, float] = {}
     counted_rows = []
@@ -974,7 +974,7 @@ def main() -> None:
     if arguments.standalone is not None:
         _standalone(json.loads(arguments.standalone))
         return
-    from workbench import lab as labs
+    from testbed import lab as labs
 
     reason = labs.available()
     if reason:

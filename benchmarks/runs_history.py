@@ -151,7 +151,7 @@ def main() -> None:
     arguments = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from workbench.collectives import find_free_port
+    from workbench.comm.collectives import find_free_port
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from scale import start_scheduler

@@ -9,7 +9,7 @@ over the interval as independent workers' are. Each batch is a `log_event` messa
 (a worker's goes on its batched stream and asks none either).
 
 On the other side:
-- the run's client: the workbench's own `RunFeed` (feed.py) subscribed to the topic, so every record
+- the run's client: the workbench's own `RunFeed` (run/feed.py) subscribed to the topic, so every record
   goes into the run's `MetricsTable` and is appended to the run directory's metrics file as it comes;
   the delay of a record is its arrival there against the time it was made (one machine, one clock);
 - a dashboard: the dashboard's `Hub` (widgets/dashboard/hub.py) in a process of its own, following the
@@ -23,7 +23,7 @@ hub's table after the last batch (a few seconds are allowed for the tail to arri
     python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--group 1] [--label cpu-2core]
 
 `--group G` sends every G workers' batches as one `batches` message, what a relay of G workers sends the
-scheduler (`workbench/metrics_relay.py`; the relays' own work, on the workers' hosts, is not emulated).
+scheduler (`workbench/plane/relay.py`; the relays' own work, on the workers' hosts, is not emulated).
 
 The last line printed is one JSON object, also written to `benchmarks/results/scale-<label>.json`, with
 `records_lost_<N>`, `median_delay_s_<N>`, `p99_delay_s_<N>` and `scheduler_cores_<N>` for every N.
@@ -56,7 +56,7 @@ DRAIN_S = 15.0  # how long the tail of the records may take to arrive after the 
 
 
 def step_record(rank: int, step: int, made: float, samples: int = 32) -> dict[str, Any]:
-    """A step record of the shape and size the training loop sends (worker.py `_train_step`)."""
+    """A step record of the shape and size the training loop sends (worker/loop.py `_train_step`)."""
     return {"worker": rank, "step": step, "epoch": step // 1000, "time": made, "loss": 0.5 + (step % 7) * 0.01,
             "samples": samples, "compute_s": 0.011, "comm_s": 0.0021, "wait_s": 0.0003, "lr": 0.1,
             "strategy": "allreduce", "bytes_sent": 1_114_112}
@@ -68,7 +68,7 @@ async def _emulate(address: str, topic_name: str, ranks: list[int], records_per_
                    seconds: float, slow: frozenset[int] = frozenset(), group: int = 1) -> dict[int, int]:
     from distributed.comm import connect
 
-    from workbench import kinds
+    from workbench.plane import kinds
 
     # With `group` > 1, every `group` workers' batches reach the scheduler as one `batches` message, as a
     # relay in front of the scheduler would forward them: one connection and one message a tick per group,
@@ -140,7 +140,7 @@ def hub_process(address: str, run_id: str, ready: Any, expected: Any, results: A
 
 def start_scheduler(scratch: Path) -> tuple[subprocess.Popen, str]:
     """`dask scheduler` in its own process, with the event-log length the workbench sets."""
-    from workbench.cluster import TRAINING_CONFIG
+    from workbench.cluster.connection import TRAINING_CONFIG
 
     file = scratch / "scheduler.json"
     env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH":
@@ -184,10 +184,10 @@ def measure(workers: int, seconds: float, steps_per_s: float, emulators: int, sc
     the client and the hub made of it."""
     from distributed import Client
 
-    from workbench import kinds
-    from workbench.feed import RunFeed, announce
-    from workbench.metrics import MetricsTable, messages_in, topic
-    from workbench.rundir import RunDirectory, read_metrics
+    from workbench.plane import kinds
+    from workbench.run.feed import RunFeed, announce
+    from workbench.plane.metrics import MetricsTable, messages_in, topic
+    from workbench.plane.rundir import RunDirectory, read_metrics
 
     records_per_batch = max(1, round(steps_per_s * FLUSH_INTERVAL_S))
     run_id = f"scale-{workers}-{int(time.time())}"

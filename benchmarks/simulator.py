@@ -1,8 +1,8 @@
-"""The simulator (`workbench/simulate.py`) against the lab: calibrated from one short real run, its
+"""The simulator (`planner/simulate.py`) against the lab: calibrated from one short real run, its
 predictions for every strategy at 2, 3 and 4 emulated worker hosts, three link rates and a straggler,
 beside what the lab measures.
 
-Runs on the lab (`workbench/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
+Runs on the lab (`testbed/lab.py`: needs root, `ip` and `tc`): host 0 holds the scheduler and the
 client, every other host one `dask worker`; all hosts share the machine's cores. The job is the network
 benchmark's (MLP 784-1024-1024-10, synthetic data, batch 128 per worker, SGD lr 0.01). Each cell is a
 time-boxed run measured as `benchmarks/network.py` does (`Cells.workbench`: warm-up under the condition,
@@ -104,7 +104,7 @@ def measure_cell(bench: Any, kept: _Kept, strategy: str, settings: dict[str, Any
 
 
 def measure(arguments: argparse.Namespace) -> dict[str, Any]:
-    from workbench import lab as labs
+    from testbed import lab as labs
 
     reason = labs.available()
     if reason:
@@ -254,7 +254,7 @@ def measure_crowding(lab: Any, scratch: Path, arguments: argparse.Namespace, rep
 def crowding_loss(document: dict[str, Any]) -> float | None:
     """The `Calibration.crowding_loss` the grid's own probes read (None: it has none). The predictions
     use the default, measured before the grid; these give a second set beside them."""
-    from workbench import simulate
+    from planner import simulate
 
     probes = document.get("crowding_probes")
     if not probes:
@@ -330,8 +330,8 @@ def predict_points(document: dict[str, Any], calibrate_with: str, per_lab: bool 
     `per_lab`: each lab's points from the calibration runs measured in it (where the document has them);
     otherwise every point from the 2-host lab's. `crowding`: `Calibration.crowding_loss` (None: its
     default, measured before the grid)."""
-    from workbench import simulate
-    from workbench.lab import burst_bytes
+    from planner import simulate
+    from testbed.lab import burst_bytes
 
     calibrations: dict[int | None, Any] = {}  # None: the smallest lab's
     runs: dict[int | None, dict[str, Any]] = {}
@@ -400,7 +400,7 @@ MODEL_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)  # f
 
 
 def _rate(condition: str) -> float:
-    from workbench.lab import rate_bytes_per_s
+    from testbed.lab import rate_bytes_per_s
 
     return rate_bytes_per_s(condition)
 

@@ -103,7 +103,7 @@ def measure_plain(steps, processes=1):
 
 
 def measure_ddp(steps, world_size, backend):
-    from workbench.collectives import find_free_port
+    from workbench.comm.collectives import find_free_port
 
     port = find_free_port()
     return spawn_and_sum(_ddp_process, [(r, world_size, port, backend, steps) for r in range(world_size)])

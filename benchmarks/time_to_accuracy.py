@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import workbench
-from workbench.collectives import find_free_port
+from workbench.comm.collectives import find_free_port
 from workbench.data import digits
 from workbench.evaluation import evaluate
 from workbench.sharding import batches, shard_indices

@@ -4,7 +4,7 @@ The GPU machine has no browser, so the dashboard is served here, on a local sche
 run directory as its runs directory, and loaded in headless Chromium: what it draws is the run's own
 records (throughput, loss, switches, held-out metrics, and each worker's GPU memory and use). Two runs:
 - docs/dashboard-gpu.png (the default): two workers sharing one NVIDIA H200 on `digits`, all-reduce
-  switched live to async and back (the live-switch test of tests/test_gpu.py),
+  switched live to async and back (the live-switch test of tests/cluster/test_gpu.py),
   benchmarks/results/gpu-run-nvidia-h200/;
 - docs/dashboard-gpu-gpt.png: the GPT (gpt-small) on the standard library's text, two workers sharing an
   H200 under `auto` (benchmarks/gpt_gpu.py, part 2; the run `gpt-strategies.json` names),

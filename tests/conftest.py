@@ -1,20 +1,24 @@
-"""Shared fixtures: one real 2-process LocalCluster for the cluster tests, created once per session."""
+"""Fixtures every tier may use. The tiers are the folders below, each marking its tests from its own
+conftest.py: unit/ (`unit`), inprocess/ (`inprocess`), cluster/ (`cluster`, with the session's cluster,
+the `client` fixture), lab/ (`multihost`). `helpers.py` beside this file is importable from every tier
+(`pythonpath` in pyproject.toml)."""
 from __future__ import annotations
 
 import pytest
-
-import workbench
-
-
-@pytest.fixture(scope="session")
-def client():
-    client = workbench.connect(workers=2, dashboard_address=":0")
-    try:
-        yield client
-    finally:
-        workbench.shutdown(client)
 
 
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path / "runs"
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    """No GLOO_/NCCL_SOCKET_IFNAME set, and none that the test sets left behind."""
+    from workbench.comm import collectives
+
+    for variable in collectives.SOCKET_IFNAME_VARIABLES:
+        # Set, then deleted: monkeypatch records the variable only if it existed, and what the binding sets
+        # must not outlive the test (later processes started from this one would inherit it).
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)

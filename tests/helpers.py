@@ -87,3 +87,74 @@ def load_benchmark(name):
     if folder not in sys.path:
         sys.path.append(folder)
     return importlib.import_module(name)
+
+
+def digits_job(strategy=None, **fields):
+    """A `workbench.Job` of `mlp(64, 10)` on the `digits` dataset: the suggested SGD (lr, momentum) of
+    `strategy` where one is named, then `fields`, any of the Job's. A module's own defaults are a partial
+    of it, `functools.partial(digits_job, lr=0.05, ...)`, whose keywords a call still overrides."""
+    import workbench
+    from workbench.strategies import suggested_sgd
+
+    sgd = suggested_sgd(strategy) if strategy is not None else {}
+    return workbench.Job(**{"model": workbench.mlp(64, 10), "data": "digits", **sgd, **fields})
+
+
+TEXT_SLICE = 2_000_000  # bytes of the standard library's source that `text_job` trains on
+
+
+def text_job(**fields):
+    """The real workload at test size: a `workbench.Job` of `gpt-test` on a `TEXT_SLICE` slice of the standard
+    library's source, AdamW with a cosine schedule; `fields` set or override any of the Job's."""
+    import workbench
+
+    defaults = dict(model=workbench.gpt("gpt-test"),
+                    data=workbench.stdlib_text(context=64, eval_windows=64, limit_bytes=TEXT_SLICE),
+                    optimizer="adamw", lr=3e-3, batch_size=32, steps=120, lr_schedule="cosine", warmup_steps=12,
+                    eval_every=60)
+    return workbench.Job(**{**defaults, **fields})
+
+
+def certificate_files(directory: Path) -> dict[str, str]:
+    """A throwaway CA certificate, certificate and key as PEM files (one self-signed pair for every role)."""
+    from distributed import Security
+
+    security = Security.temporary()
+    files = {"ca": security.tls_ca_file, "cert": security.tls_client_cert, "key": security.tls_client_key}
+    paths = {}
+    for name, text in files.items():
+        path = directory / f"{name}.pem"
+        path.write_text(text)
+        paths[name] = str(path)
+    return paths
+
+
+def notebook_expectations():
+    """The example notebooks (paths, sorted) and what each must have printed or shown, beyond running
+    without an error: tests/cluster/test_notebooks_cluster.py executes them, tests/unit/test_notebooks.py
+    checks that every one is covered here and stored executed."""
+    from testbed import lab as labs
+
+    notebooks = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+    expected = {
+        "01-quickstart": ["held-out accuracy", "application/vnd.jupyter.widget-view+json"],
+        "02-compare-strategies": ["Fastest:", "staleness mean", "application/vnd.jupyter.widget-view+json"],
+        "03-live-control": ["paused at steps", "average -> async", "back to async at step"],
+        "04-existing-cluster": ["held-out accuracy", "tcp://127.0.0.1"],
+        "05-bring-your-own-model": ["on shifted images", "parameters"],
+        "06-team-dashboard": ["Dashboard at", "samples/s", "application/vnd.holoviews_exec.v0+json"],
+        # Emulated hosts need root and iproute2: without them the notebook says why and skips its lab cells.
+        "07-slow-network": (["keeps", "of its 1gbit throughput at 100mbit", "application/vnd.jupyter.widget-view+json"]
+                            if labs.available() is None else ["No emulated hosts here"]),
+        "08-capacity-planning": ["calibration", "measured lab points from", "max throughput error", "image/png"],
+    }
+    return notebooks, expected
+
+
+def mark_tier(items, folder, marker):
+    """Add `marker` to the items collected under `folder` (a tier's conftest.py calls this from its
+    `pytest_collection_modifyitems`, which pytest calls with every item of the session, not only its folder's)."""
+    folder = Path(folder).resolve()
+    for item in items:
+        if item.path.resolve().is_relative_to(folder):
+            item.add_marker(marker)

@@ -15,11 +15,11 @@ import bqplot
 import ipywidgets as ipw
 
 import workbench
-from workbench import worker_spread
-from workbench.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
+from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.evaluation import held_out_text
-from workbench.lifecycle import FINISHED_STATES
-from workbench.setting_flags import FormField, form_fields, parse_optional
+from workbench.run import worker_spread
+from workbench.run.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
+from workbench.run.lifecycle import FINISHED_STATES
 from workbench.strategies import STRATEGIES, get_strategy
 
 # The live setting the period slider moves, per strategy: steps between synchronisations or pushes.
@@ -137,7 +137,7 @@ class ControlPanel:
         self.setting_widgets = {field.name: _setting_widget(field, current.get(field.name, field.value))
                                 for field in form_fields(strategy)}
         self.settings_box.children = list(self.setting_widgets.values())
-        self.strategy_help.value = f"<small>{html.escape(strategy_class.summary)}</small>"
+        self.strategy_help.value = f"<small>{html.escape(strategy_class.traits.summary)}</small>"
 
     # --- actions ----------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from workbench.metrics import control_markers
+from workbench.plane.metrics import control_markers
 
 from .compare import COLOURS, comparison_table, loss_against_time
 
@@ -109,8 +109,13 @@ def held_out_figure(result: dict[str, Any], against: str = "seconds", title: str
     colours = {name: "#000000" if name == "ddp" else COLOURS[i % len(COLOURS)]
                for i, name in enumerate(n for n in configs if n != "ddp")} | {"ddp": "#000000"}
     styles = {name: ("-" if i < len(COLOURS) else "--") for i, name in enumerate(n for n in configs if n != "ddp")}
-    figure = Figure(figsize=(4.6 * max(len(conditions), 1), 4.2), layout="constrained")
-    panels = figure.subplots(1, max(len(conditions), 1), squeeze=False)[0]
+    # Two panels a row: four conditions read as a square, not a strip too wide for a page.
+    columns = min(max(len(conditions), 1), 2)
+    rows = max(1, -(-len(conditions) // columns))
+    figure = Figure(figsize=(5.6 * columns, 4.2 * rows), layout="constrained")
+    panels = figure.subplots(rows, columns, squeeze=False).ravel()
+    for unused in panels[len(conditions):]:
+        unused.set_visible(False)
     target = result.get("target_loss")
     for axes, condition in zip(panels, conditions):
         for name in configs:
@@ -124,7 +129,8 @@ def held_out_figure(result: dict[str, Any], against: str = "seconds", title: str
             axes.axhline(target, color="#888888", linestyle=":", linewidth=1)
         axes.set(title=condition, xlabel="seconds since the first step" if against == "seconds" else "samples seen",
                  ylabel="held-out loss (nats per byte)")
-    panels[0].legend(fontsize=7)
+    handles, labels = panels[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right upper", fontsize=8)  # beside the panels, over no curve
     if title:
         figure.suptitle(title)
     return StaticFigure(figure)

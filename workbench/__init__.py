@@ -8,13 +8,13 @@
 This package is the engine; it never imports the UI (`widgets`). The UI registers its notebook display
 of a run and its `workbench dashboard` command through entry points (`extensions.py`).
 """
-from .cluster import client_session, connect, security_from_files, shutdown
-from .data import Splits, digits, stdlib_text, synthetic
-from .errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError, WorkbenchError
-from .job import Job
-from .models import GPT_SIZES, gpt, mlp
-from .run import Run, resume, train
-from .strategies import STRATEGIES
+from workbench.cluster.connection import client_session, connect, security_from_files, shutdown
+from workbench.data import Splits, digits, stdlib_text, synthetic
+from workbench.errors import ClusterError, ConfigError, DivergenceError, ResumeError, TrainingError, WorkbenchError
+from workbench.job import Job
+from workbench.models import GPT_SIZES, gpt, mlp
+from workbench.run.handle import Run, resume, train
+from workbench.strategies import STRATEGIES
 
 __all__ = [
     "GPT_SIZES", "STRATEGIES", "ClusterError", "ConfigError", "DivergenceError", "Job", "ResumeError", "Run", "Splits",

@@ -1,4 +1,4 @@
 """`python -m workbench ...` is the `workbench` command."""
-from .cli import main
+from workbench.cli.main import main
 
 raise SystemExit(main())

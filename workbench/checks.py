@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import ConfigError
+from workbench.errors import ConfigError
 
 
 def check_number(parameter: str, value: Any, minimum: float, integer: bool = False, strictly: bool = False,

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .checks import check_positive_int
-from .errors import ConfigError
-from .sharding import batches, local_shuffle, shard_indices
-from .text import TextWindows, load_corpus, windows
+from workbench.checks import check_positive_int
+from workbench.errors import ConfigError
+from workbench.sharding import batches, local_shuffle, shard_indices
+from workbench.text import TextWindows, load_corpus, windows
 
 
 class Batches(Protocol):

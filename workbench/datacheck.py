@@ -14,10 +14,10 @@ import cloudpickle
 import torch
 from torch import nn
 
-from .data import BuiltinData, DaskArrayData, DatasetData, TensorData, _as_tensor
-from .errors import ConfigError
-from .evaluation import sequence_scores
-from .text import VOCABULARY, TextWindows
+from workbench.data import BuiltinData, DaskArrayData, DatasetData, TensorData, _as_tensor
+from workbench.errors import ConfigError
+from workbench.evaluation import sequence_scores
+from workbench.text import VOCABULARY, TextWindows
 
 CLASS_INDEX_LOSSES = ("cross_entropy", "nll")  # losses whose targets are class indices
 

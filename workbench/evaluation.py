@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from .data import Batches
+from workbench.data import Batches
 
 
 @torch.no_grad()

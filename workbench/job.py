@@ -13,12 +13,13 @@ import cloudpickle
 import torch
 from torch import nn
 
-from .data import DataSource, Splits, as_source, resolve_dataset
-from .datacheck import check_data
-from .checks import check_number
-from .errors import ConfigError
-from .evaluation import sequence_scores
-from .schedule import SCHEDULES
+from workbench.checks import check_number
+from workbench.data import DataSource, Splits, as_source, resolve_dataset
+from workbench.datacheck import check_data
+from workbench.errors import ConfigError
+from workbench.evaluation import sequence_scores
+from workbench.schedule import SCHEDULES
+
 
 def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over class scores: torch's own for (batch, classes, ...) scores; for a sequence model's

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .checks import check_number, check_positive_int
-from .errors import ConfigError
+from workbench.checks import check_number, check_positive_int
+from workbench.errors import ConfigError
 
 
 class MLP(nn.Sequential):

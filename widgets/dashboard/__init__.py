@@ -5,7 +5,7 @@ it from a notebook; `dashboard(client)` shows it inline. See `hub` (data), `app`
 viewer), `views/` (one file per view), `access` (who may act) and `serve` (the command).
 """
 from .access import Access
-from .hub import Hub, RunFeed
+from .hub import FollowedRun, Hub
 from .serve import DashboardServer, dashboard, serve_dashboard
 
-__all__ = ["Access", "DashboardServer", "Hub", "RunFeed", "dashboard", "serve_dashboard"]
+__all__ = ["Access", "DashboardServer", "FollowedRun", "Hub", "dashboard", "serve_dashboard"]

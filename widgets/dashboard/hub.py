@@ -20,20 +20,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench import kinds
-from workbench import leases, membership
-from workbench.metrics import MetricsTable, best_metric, control_markers, expand, topic
-from workbench.registry import RUNS_TOPIC, send_control_request
-from workbench.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_metrics
+from workbench.cluster import leases, membership
+from workbench.cluster.announcements import RUNS_TOPIC, send_control_request
+from workbench.plane import kinds
+from workbench.plane.metrics import MetricsTable, best_metric, expand, topic
+from workbench.plane.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_metrics
+from workbench.run.views import live_view
 
 ENDED = ("finished", "stopped", "failed")
 WHOLE_RUN_S = 10**9  # the dashboard shows a run's whole history (thinned), not the last minutes
 RUNS_LIST_S = 0.25  # how stale the runs list may be
 LEASES_S = 1.0  # how stale the workers view (who holds which worker) may be
-MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.membership)
+MEMBERSHIP_TOPIC = membership.MEMBERSHIP_TOPIC  # add-worker and remove-worker (see workbench.cluster.membership)
 
 
-class RunFeed:
+class FollowedRun:
     """What the dashboard knows of one run: its description, status and metrics table."""
 
     def __init__(self, run_id: str) -> None:
@@ -144,21 +145,16 @@ class RunFeed:
         cached = self._view
         if cached is not None and cached[0] == key:
             return cached[1]
-        live = self.table.live_view(max_points=400, history_s=WHOLE_RUN_S)
+        live = live_view(self.table, max_points=400, history_s=WHOLE_RUN_S)  # the notebook panel's too
         origin = live["origin"]
-        markers = control_markers(self.table.events())
-        for marker in markers:
+        for marker in live["markers"]:
             marker["elapsed"] = (marker["time"] - origin) if marker.get("time") and origin else None
         for row in live["workers"]:
             if row["address"] in self.lost:
                 row["state"] = "lost"
-        rate = self.table.throughput(5.0)
-        for row in live["workers"]:
-            row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
         requests = [{k: r.get(k) for k in ("time", "action", "arguments", "by", "ok", "error", "request_id")}
                     for r in self.table.events(kinds.CONTROL_REQUEST)]
-        view = {**live, "run_id": self.run_id, "status": self.status, "info": dict(self.info),
-                "markers": markers, "samples_per_s": rate["samples_per_s"], "requests": requests,
+        view = {**live, "run_id": self.run_id, "status": self.status, "info": dict(self.info), "requests": requests,
                 "steps_received": self.table.steps_received, "newest_time": _newest_time(self.table)}
         self._view = (key, view)
         return view
@@ -173,7 +169,7 @@ class Hub:
         self.client = client
         self._owns_client = owns_client
         self.runs_dir = Path(runs_dir) if runs_dir is not None else None
-        self.feeds: dict[str, RunFeed] = {}
+        self.feeds: dict[str, FollowedRun] = {}
         self.subscriptions: set[str] = set()  # topics this process subscribes to: one per live run
         self._lock = threading.Lock()
         self._runs: tuple[float, list[dict[str, Any]]] | None = None
@@ -230,7 +226,7 @@ class Hub:
         self._runs = (time.monotonic(), rows)
         return rows
 
-    def feed(self, run_id: str) -> RunFeed | None:
+    def feed(self, run_id: str) -> FollowedRun | None:
         with self._lock:
             return self.feeds.get(run_id)
 
@@ -245,7 +241,7 @@ class Hub:
         self.subscriptions.add(name)
 
     def workers(self) -> dict[str, Any]:
-        """Who holds which worker, what is free and who waits (`workbench.leases.view`), as last asked."""
+        """Who holds which worker, what is free and who waits (`workbench.cluster.leases.view`), as last asked."""
         return self._leases
 
     def _refresh_leases(self) -> None:
@@ -284,11 +280,11 @@ class Hub:
             except Exception:  # one bad message must not stop the dashboard following the cluster
                 continue
 
-    def _feed_for(self, run_id: str) -> RunFeed:
+    def _feed_for(self, run_id: str) -> FollowedRun:
         with self._lock:
             feed = self.feeds.get(run_id)
             if feed is None:
-                feed = self.feeds[run_id] = RunFeed(run_id)
+                feed = self.feeds[run_id] = FollowedRun(run_id)
             return feed
 
     def _on_registry(self, message: dict[str, Any], follow: bool = True) -> None:
@@ -311,7 +307,7 @@ class Hub:
             if message.get("status") in ENDED:
                 self._unfollow(feed)
 
-    def _follow(self, feed: RunFeed) -> None:
+    def _follow(self, feed: FollowedRun) -> None:
         """Subscribe once to a live run, then fill in its history (directory, then scheduler backlog)."""
         name = topic(feed.run_id)
         if feed.live or self.client is None:
@@ -327,7 +323,7 @@ class Hub:
             history.extend(expand(message))
         feed.replay(history)
 
-    def _unfollow(self, feed: RunFeed) -> None:
+    def _unfollow(self, feed: FollowedRun) -> None:
         name = topic(feed.run_id)
         if name in self.subscriptions:
             try:

@@ -20,8 +20,8 @@ import panel as pn
 from widgets.dashboard.access import Access
 from widgets.dashboard.app import REFRESH_MS, DashboardSession
 from widgets.dashboard.hub import Hub
-from workbench import cluster as cluster_module
-from workbench.arguments import add_tls_arguments, tls_security
+from workbench.cli.arguments import add_tls_arguments, tls_security
+from workbench.cluster import connection as cluster_module
 
 
 def _arguments() -> argparse.Namespace:

@@ -21,10 +21,10 @@ from typing import Any
 
 import panel as pn
 
-from workbench import cluster as cluster_module
-from workbench.arguments import OneLineParser, add_tls_arguments, tls_security
-from workbench.collectives import find_free_port
 from workbench.checks import check_number
+from workbench.cli.arguments import OneLineParser, add_tls_arguments, tls_security
+from workbench.cluster import connection as cluster_module
+from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError, WorkbenchError
 
 from .access import Access, load_credentials, policy

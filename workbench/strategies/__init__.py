@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
-from .allreduce import AllReduce
-from .average import Average
-from .base import Strategy, StrategySettings, TrainingContext, build_settings
-from .parameter_server import AsyncSGD, ElasticAveraging, StaleSynchronous
+from workbench.errors import ConfigError
+from workbench.strategies.allreduce import AllReduce
+from workbench.strategies.average import Average
+from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, build_settings
+from workbench.strategies.parameter_server import AsyncSGD, ElasticAveraging, StaleSynchronous
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -30,7 +30,8 @@ def get_strategy(name: str) -> type[Strategy]:
 
 def suggested_sgd(name: str) -> dict[str, float]:
     """The SGD learning rate and momentum strategy `name` trains well with by default."""
-    return dict(get_strategy(name).suggested_sgd)
+    traits = get_strategy(name).traits
+    return {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum}
 
 
 def make_settings(name: str, values: dict[str, Any]) -> StrategySettings:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
-from ..checks import check_positive_number
-from .base import Strategy, StrategySettings, TrainingContext, check_wire_dtype
+from workbench.checks import check_positive_number
+from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
+from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
 
 
 @dataclasses.dataclass
@@ -74,14 +74,17 @@ class _Bucket:
 class AllReduce(Strategy):
     name = "allreduce"
     settings_class = AllReduceSettings
-    uses_process_group = True
+    traits = Traits(summary="Synchronous: gradients averaged every step (like PyTorch DDP). Exact, chatty.",
+                    uses_process_group=True)
     keeps_gradient_buffers = True
-    summary = "Synchronous: gradients averaged every step (like PyTorch DDP). Exact, chatty."
+
+    def __init__(self, settings: AllReduceSettings) -> None:
+        super().__init__(settings)
+        self.buckets: list[_Bucket] = []
+        self.hooks: list[Any] = []  # none until `setup` (and none at all when the model factory failed)
 
     def setup(self, context: TrainingContext) -> None:
         self.world_size = context.world_size
-        self.buckets: list[_Bucket] = []
-        self.hooks: list[Any] = []
         self.bytes_sent = 0
         # Every rank starts from rank 0's weights, whatever the factory's randomness did.
         self.comm = context.comm
@@ -140,6 +143,6 @@ class AllReduce(Strategy):
         return {"bytes_sent": self.bytes_sent} if self.buckets else {}
 
     def close(self) -> None:
-        for hook in getattr(self, "hooks", []):  # none when setup never ran (the model factory failed)
+        for hook in self.hooks:
             hook.remove()
         self.hooks = []

@@ -29,11 +29,21 @@ from typing import Any
 
 import torch
 
-from ..averaging import (WIRE_DTYPES, all_reduce_bytes_sent, decode_average, delayed_apply, encode_weights, flatten,
-                         optimizer_state_tensors, outer_step, relative_divergence, unflatten_into)
-from ..errors import ConfigError
-from ..checks import check_positive_int, check_positive_number
-from .base import Carried, Strategy, StrategySettings, TrainingContext, check_wire_dtype
+from workbench.checks import check_positive_int, check_positive_number
+from workbench.comm.averaging import (
+    WIRE_DTYPES,
+    all_reduce_bytes_sent,
+    decode_average,
+    delayed_apply,
+    encode_weights,
+    flatten,
+    optimizer_state_tensors,
+    outer_step,
+    relative_divergence,
+    unflatten_into,
+)
+from workbench.errors import ConfigError
+from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
 
 
 @dataclasses.dataclass
@@ -91,17 +101,20 @@ class Average(Strategy):
     name = "average"
     settings_class = AverageSettings
     settings: AverageSettings
-    uses_process_group = True
-    summary = "Synchronous parameter averaging every `period` steps (local SGD). Less traffic, some drift."
-    local_weights_drift = True
-    own_optimizer_states = True
+    traits = Traits(summary="Synchronous parameter averaging every `period` steps (local SGD). Less traffic, "
+                            "some drift.",
+                    uses_process_group=True, local_weights_drift=True, own_optimizer_states=True)
+
+    def __init__(self, settings: AverageSettings) -> None:
+        super().__init__(settings)
+        self.restored: dict[str, Any] = {}  # what a resumed run's checkpoint kept (`restore`), used by `setup`
 
     def setup(self, context: TrainingContext) -> None:
         self.comm = context.comm
         self.comm.broadcast_tensors(list(context.model.state_dict().values()))
         self.parameters = [p for p in context.model.parameters()]
         self.world_size = context.world_size
-        restored = getattr(self, "restored", {})
+        restored = self.restored
         # A resumed run keeps its sync points where they were, and its outer optimizer's state.
         self.steps_since_sync = int(restored.get("steps_since_sync", 0))
         weights = flatten(self.parameters)

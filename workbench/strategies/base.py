@@ -11,9 +11,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..averaging import WIRE_DTYPES, flat_optimizer_state, flatten, load_flat_optimizer_state, unflatten_into
-from ..errors import ConfigError
-from ..job import make_optimizer
+from workbench.comm.averaging import (
+    WIRE_DTYPES,
+    flat_optimizer_state,
+    flatten,
+    load_flat_optimizer_state,
+    unflatten_into,
+)
+from workbench.errors import ConfigError
+from workbench.job import make_optimizer
 
 
 @dataclasses.dataclass
@@ -33,7 +39,7 @@ class TrainingContext:
     interrupted: Callable[[], bool] = lambda: False
     # True once the client has ended this group of workers (a worker was lost): every wait ends at once.
     abandoned: Callable[[], bool] = lambda: False
-    # How this rank reaches the others and the run's services (transport.py): passed in, never ambient.
+    # How this rank reaches the others and the run's services (comm/transport.py): passed in, never ambient.
     comm: Any = dataclasses.field(default_factory=lambda: _process_group())
 
 
@@ -47,6 +53,30 @@ class Carried:
     # Where each worker carries its own weights: the weights they all agree on, each one's own being
     # these plus its progress since (the same on every worker). None: `weights` are common.
     common: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What the loop, the control point, checkpoints, switches and the UI need to know of a strategy,
+    declared once per class (`Strategy.traits`); none of it changes while a run trains."""
+
+    summary: str = ""  # one line for the UI's strategy lists
+    # The ranks meet on torch.distributed: control agreements and checkpoints are taken together.
+    uses_process_group: bool = False
+    # The workers' weights drift apart between synchronisations: a checkpoint takes their mean.
+    local_weights_drift: bool = False
+    # Each worker steps its own optimizer and the states drift apart (local SGD: `average`, `easgd`). A
+    # switch between two such strategies lets each worker keep its own state instead of carrying the
+    # mean: that is what it would have gone on with, and the mean is a model-sized exchange (measured:
+    # 2.2 s of a 3.4 s switch from average to easgd on a 20 Mbit/s link).
+    own_optimizer_states: bool = False
+    # The strategy can start with each worker on its own weights over a common base (`Carried.common`),
+    # so a switch to it from a strategy that has one skips bringing the workers together (`common_base`).
+    takes_own_weights: bool = False
+    # The SGD learning rate and momentum this strategy trains well with by default (the CLI's defaults):
+    # what suits synchronous training overshoots under asynchrony (see AsyncSGD).
+    suggested_lr: float = 0.1
+    suggested_momentum: float = 0.9
 
 
 @dataclasses.dataclass
@@ -65,24 +95,10 @@ class Strategy:
 
     name: ClassVar[str]
     settings_class: ClassVar[type[StrategySettings]] = StrategySettings
-    uses_process_group: ClassVar[bool] = False
+    traits: ClassVar[Traits] = Traits()
     # True when gradients are views into the strategy's own buffers: the loop then zeroes them in place
-    # instead of dropping them.
+    # instead of dropping them (state, not a trait: `allreduce` on one worker keeps none).
     keeps_gradient_buffers: bool = False
-    summary: ClassVar[str] = ""
-    # The SGD learning rate and momentum this strategy trains well with by default (the CLI's defaults):
-    # what suits synchronous training overshoots under asynchrony (see AsyncSGD).
-    suggested_sgd: ClassVar[dict[str, float]] = {"lr": 0.1, "momentum": 0.9}
-    # True when the workers' weights drift apart between synchronisations: a checkpoint takes their mean.
-    local_weights_drift: ClassVar[bool] = False
-    # Each worker steps its own optimizer and the states drift apart (local SGD: `average`, `easgd`). A
-    # switch between two such strategies lets each worker keep its own state instead of carrying the
-    # mean: that is what it would have gone on with, and the mean is a model-sized exchange (measured:
-    # 2.2 s of a 3.4 s switch from average to easgd on a 20 Mbit/s link).
-    own_optimizer_states: ClassVar[bool] = False
-    # The strategy can start with each worker on its own weights over a common base (`Carried.common`),
-    # so a switch to it from a strategy that has one skips bringing the workers together (`common_base`).
-    takes_own_weights: ClassVar[bool] = False
     # Set when the run's group of workers is being ended after a loss: close without waiting on others.
     abandoned: bool = False
 
@@ -119,7 +135,7 @@ class Strategy:
         """Called once after the last step (or before a switch): bring workers to common weights."""
 
     def common_base(self, context: TrainingContext) -> torch.Tensor | None:
-        """Before a switch to a strategy that `takes_own_weights`, instead of `finish`: the weights every
+        """Before a switch to a strategy that `Traits.takes_own_weights`, instead of `finish`: the weights every
         worker agrees on, each worker's own being those plus its progress since, with nothing left in
         flight; None where this strategy keeps no such base (the switch then calls `finish`). Collective."""
         return None
@@ -129,7 +145,7 @@ class Strategy:
 
         Collective: every rank calls it. Here the workers' own optimizers hold the state; it is averaged
         (equal already under `allreduce`, drifted apart under `average`), or with `own_state` each
-        worker's own is kept (see `own_optimizer_states`).
+        worker's own is kept (see `Traits.own_optimizer_states`).
         """
         state = flat_optimizer_state(context.optimizer)
         if own_state:
@@ -157,7 +173,7 @@ class Strategy:
         Collective when `together` (every rank at one agreed step); else rank 0 alone. Only rank 0's
         result is kept."""
         carried = Strategy.carry_out(self, context)
-        if self.local_weights_drift:
+        if self.traits.local_weights_drift:
             context.comm.all_reduce_mean(carried.weights)
         return carried, {}
 
@@ -205,6 +221,6 @@ def check_wire_dtype(parameter: str, value: Any) -> None:
 
 
 def _process_group() -> Any:
-    from ..transport import ProcessGroupTransport
+    from workbench.comm.transport import ProcessGroupTransport
 
     return ProcessGroupTransport()

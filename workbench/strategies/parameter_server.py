@@ -1,14 +1,14 @@
 """Asynchronous strategies around the parameter server: `async` (Downpour SGD), `ssp` (stale-synchronous
 parallel) and `easgd` (elastic averaging).
 
-Each worker trains on its own and talks to the server (Dask actors, see `server.py`) every few steps,
+Each worker trains on its own and talks to the server (Dask actors, see `server/shards.py`) every few steps,
 never through a process group. One call to the server is in flight at a time and runs in the
 background while the next steps compute: a worker blocks only when the previous call has not returned
 by the time the next is due (`comm_s`, the exposed part); `comm_total_s` is the whole round trip.
 
 With `compression` (and `reply_compression`, by default the same) other than "none", traffic is
 compressed both ways: pushes with error feedback on the worker, replies as changes against a mirror of
-what each worker holds (`replies.py`). An `async`/`ssp` worker keeps its copy of the server's weights
+what each worker holds (`server/replies.py`). An `async`/`ssp` worker keeps its copy of the server's weights
 (`known`) and trains on `known` minus its window not pushed yet; an `easgd` worker gets its elastic
 pull compressed. The weights travel in full only in a worker's first fetch from a new server (start,
 switch, resume), at the end of the run and for checkpoints.
@@ -22,15 +22,22 @@ from typing import Any
 
 import torch
 
-from ..averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
-from ..compression import (COMPRESSIONS, SPARSE_COMPRESSIONS, ErrorFeedback, add_decoded, decode, encode,
-                           validate_compression)
-from ..errors import ConfigError
-from ..device_staging import HostStaging, to_host
-from ..replies import KnownWeights
-from ..server import Call, Replies, ServerClient, ServerHandle, merge_replies
-from ..checks import check_positive_int, check_positive_number
-from .base import Carried, Strategy, StrategySettings, TrainingContext
+from workbench.checks import check_positive_int, check_positive_number
+from workbench.comm.averaging import fingerprint, flat_optimizer_state, flatten, unflatten_into
+from workbench.comm.device_staging import HostStaging, to_host
+from workbench.errors import ConfigError
+from workbench.server.compression import (
+    COMPRESSIONS,
+    SPARSE_COMPRESSIONS,
+    ErrorFeedback,
+    add_decoded,
+    decode,
+    encode,
+    validate_compression,
+)
+from workbench.server.replies import KnownWeights
+from workbench.server.shards import Call, Replies, ServerClient, ServerHandle, merge_replies
+from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, Traits
 
 
 @dataclasses.dataclass
@@ -100,7 +107,7 @@ class SSPSettings(AsyncSettings):
     # server version (mean 0.9-1.0) whatever the bound. On 2 shared cores one worker is steadily faster
     # and sits at a tight bound: at 4 it waited in up to 86 of its 110 windows on `digits` (5 epochs), and
     # the 5-epoch accuracy spread with the waiting. The CLI's defaults then (lr 0.25, momentum 0.4), 2 workers on a
-    # shared 2-worker cluster as tests/test_defaults.py runs, held-out accuracy after 5 epochs (min /
+    # shared 2-worker cluster as tests/cluster/test_defaults.py runs, held-out accuracy after 5 epochs (min /
     # median / max, runs >= 0.9): bound 2 0.864 / 0.903 / 0.936, 5 of 10; 4 0.797 / 0.913 / 0.947, 19 of
     # 26; 6 0.850 / 0.923 / 0.936, 7 of 10; 8 0.903 / 0.930 / 0.947, 50 of 50 (40 epochs: 0.964 / 0.967 /
     # 0.969, 5 runs). At bound 4 a lower momentum (0.2, lr 0.25) gave 0.866 / 0.916 / 0.947, 35 of 40, and
@@ -134,12 +141,24 @@ class _ServerStrategy(Strategy):
     """What the parameter-server strategies share: the server connection, the one background call,
     the metrics of each exchange, and the end of the run (everyone takes the server's final weights)."""
 
-    uses_process_group = False
     settings: ServerOptions
     elastic = False  # the server's replies are elastic pulls (easgd), not weights
     # Set by a switch that carried each worker's own weights over a common base (`takes_own_weights`):
     # the weights the server starts from, until `setup` has used them.
     common: torch.Tensor | None = None
+
+    def __init__(self, settings: ServerOptions) -> None:
+        super().__init__(settings)
+        # Set in `setup`; a strategy whose setup never ran (the model factory failed) closes without them.
+        self.server: ServerClient | None = None
+        self.owned_server: ServerHandle | None = None
+        self.pending: Any = None  # the one background call in flight
+        self.finished = False  # told the server this worker is done
+        self.timeout_s = 5.0
+        # What a resumed run's checkpoint kept (`restore`) or a switch carried in (`carry_in`), for `setup`.
+        self.restored_version = 0
+        self.restored_residuals: list[torch.Tensor | None] | None = None
+        self.carried_optimizer_state: dict[str, Any] | None = None
 
     @classmethod
     def check_world(cls, settings: ServerOptions, world_size: int) -> None:
@@ -154,7 +173,7 @@ class _ServerStrategy(Strategy):
         return context.comm.start_parameter_server(context.run_id, context.addresses, self._start_weights(context),
                                       server_job, self.settings.shards,
                                       context.world_size, getattr(self.settings, "staleness_aware_lr", False),
-                                      self._server_optimizer_state(), getattr(self, "restored_version", 0),
+                                      self._server_optimizer_state(), self.restored_version,
                                       self.settings.replies(), self.elastic)
 
     def setup(self, context: TrainingContext) -> None:
@@ -170,7 +189,7 @@ class _ServerStrategy(Strategy):
         # On a CUDA worker what goes to and comes from the server passes through pinned host memory.
         self.staging = HostStaging(self.numel, context.device)
         self.compressors = self._compressors()
-        restored = getattr(self, "restored_residuals", None)
+        restored = self.restored_residuals
         if restored is not None and [r is None for r in restored] == [c.residual is None for c in self.compressors] \
                 and all(r is None or r.numel() == c.residual.numel() for r, c in zip(restored, self.compressors)):
             for compressor, residual in zip(self.compressors, restored):
@@ -269,23 +288,23 @@ class _ServerStrategy(Strategy):
     def close(self) -> None:
         # A worker that failed still tells the server it is done, so the others are not held back by
         # the SSP bound or the end-of-run barrier until their timeout.
-        if hasattr(self, "server") and not getattr(self, "finished", False) and not self.abandoned:
+        if self.server is not None and not self.finished and not self.abandoned:
             self.finished = True
             try:
                 self.server.announce_finished(self.rank)
             except Exception:
                 pass  # the server may be gone too; the run is failing already
         # The loop calls close only after every rank has taken the final weights (a barrier).
-        if getattr(self, "owned_server", None) is not None:
+        if self.owned_server is not None:
             self.owned_server.release()
             self.owned_server = None
         # Each actor call leaves a self-referencing closure in Dask (`Actor.__getattr__`) holding the actor
         # handle, which holds the actor's future: without a collection the shards would live on until the
         # worker's next cyclic garbage collection. A call still in flight is let finish first (bounded).
-        pending = getattr(self, "pending", None)
+        pending = self.pending
         if pending is not None:
             try:
-                pending.result(min(5.0, getattr(self, "timeout_s", 5.0)))
+                pending.result(min(5.0, self.timeout_s))
             except Exception:
                 pass  # a lost shard, or a group being ended: nothing to wait for
         self.pending = self.server = None
@@ -350,8 +369,6 @@ class AsyncSGD(_ServerStrategy):
     name = "async"
     settings_class = AsyncSettings
     settings: AsyncSettings
-    summary = ("Asynchronous parameter server (Downpour SGD): push gradients every `push_every` steps, never "
-               "wait for other workers. Fastest; updates are stale.")
     # Stale updates act like extra momentum (Mitliagkas et al. 2016: about 1 - 1/workers of it), and every
     # push is applied in full, so the explicit momentum is 0. Momentum 0.9 ended `digits` at chance; the
     # old 0.4 (lr 0.25) failed in the runs where the two workers fell into lockstep (every push exactly 1
@@ -360,8 +377,10 @@ class AsyncSGD(_ServerStrategy):
     # still 3 of 60. Lr 0.3 without momentum: 0 of 60 (0.919-0.95, 9 of them in lockstep), and `ssp` 0 of
     # 30 (0.914-0.95) against 3 of 30 before; 0.958-0.961 after 40 epochs (6 runs each). Per push that is
     # 0.3 of its gradient, against 1.0 of the averaged gradient per synchronous step (lr 0.1, momentum
-    # 0.9), with about twice the pushes. tests/test_defaults.py holds it.
-    suggested_sgd = {"lr": 0.3, "momentum": 0.0}
+    # 0.9), with about twice the pushes. tests/cluster/test_defaults.py holds it.
+    traits = Traits(summary="Asynchronous parameter server (Downpour SGD): push gradients every `push_every` steps, "
+                            "never wait for other workers. Fastest; updates are stale.",
+                    suggested_lr=0.3, suggested_momentum=0.0)
 
     def setup(self, context: TrainingContext) -> None:
         super().setup(context)
@@ -373,7 +392,7 @@ class AsyncSGD(_ServerStrategy):
         self.accumulated, self.views = self.buffers[0], self.buffer_views[0]
         self.velocity = torch.zeros(self.numel, device=context.device) if self.worker_momentum else None
         self.velocity_views = _views(self.velocity, self.parameters) if self.worker_momentum else []
-        carried = getattr(self, "carried_optimizer_state", {})
+        carried = self.carried_optimizer_state or {}
         if self.worker_momentum and "momentum_buffer" in carried:
             self.velocity.copy_(carried["momentum_buffer"])
         self.steps_since_fetch = 0
@@ -387,7 +406,7 @@ class AsyncSGD(_ServerStrategy):
         self.carried_optimizer_state = carried.optimizer_state  # for the server (or the velocity)
 
     def _server_optimizer_state(self) -> dict[str, Any] | None:
-        return None if self.worker_momentum else getattr(self, "carried_optimizer_state", None)
+        return None if self.worker_momentum else self.carried_optimizer_state
 
     def carry_out(self, context: TrainingContext, own_state: bool = False) -> Carried:
         # After `finish` every worker holds the server's weights; the job optimizer's state is the
@@ -488,8 +507,10 @@ class StaleSynchronous(AsyncSGD):
     name = "ssp"
     settings_class = SSPSettings
     settings: SSPSettings
-    summary = ("Stale-synchronous parallel: as `async`, but a worker more than `max_staleness` clocks ahead of "
-               "the slowest waits (0 = bulk-synchronous). Bounded staleness at some waiting.")
+    traits = dataclasses.replace(
+        AsyncSGD.traits, summary="Stale-synchronous parallel: as `async`, but a worker more than `max_staleness` "
+                                 "clocks ahead of the slowest waits (0 = bulk-synchronous). Bounded staleness at "
+                                 "some waiting.")
 
     def _collect(self, block: bool) -> dict[str, Any]:
         # A push's receipt shows the gap before this worker's SSP check; the gap it trains at is the
@@ -526,10 +547,11 @@ class ElasticAveraging(_ServerStrategy):
     settings_class = EASGDSettings
     settings: EASGDSettings
     elastic = True
-    own_optimizer_states = True
-    takes_own_weights = True  # from `average`: each worker's progress since the last average goes on with it
-    summary = ("Elastic averaging SGD: workers keep their own weights and every `period` steps exchange an "
-               "elastic pull of strength `alpha` with a center variable on the server (the final model).")
+    # takes_own_weights: from `average`, each worker's progress since the last average goes on with it.
+    traits = Traits(summary="Elastic averaging SGD: workers keep their own weights and every `period` steps "
+                            "exchange an elastic pull of strength `alpha` with a center variable on the server "
+                            "(the final model).",
+                    own_optimizer_states=True, takes_own_weights=True)
 
     def carry_in(self, context: TrainingContext, carried: Carried) -> None:
         super().carry_in(context, carried)
@@ -551,7 +573,7 @@ class ElasticAveraging(_ServerStrategy):
         # `vector` is on the host already (see `_send`). The mirror is the error feedback here: what a push
         # did not send stays in weights - mirror. A residual kept as well sends it twice: with top-k 10%
         # over 20 random updates (weights within +/-0.17) and then 20 pushes of nothing new,
-        # |weights - mirror| grew to 19 instead of reaching 0 (tests/test_replies.py).
+        # |weights - mirror| grew to 19 instead of reaching 0 (tests/unit/test_replies.py).
         settings = self.settings
         packets = [encode(part, settings.compression, settings.topk_ratio, settings.threshold_tau, copy)
                    for part in self.server.split(vector)]
@@ -575,7 +597,8 @@ class ElasticAveraging(_ServerStrategy):
     def _apply(self, reply: Replies) -> int:
         # The pull, compressed when replies are: this worker and its mirror move by what was sent; the
         # rest stays in the distance to the center, which the next pull is computed from.
-        # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit (tests/test_replies.py).
+        # Decoded once: subtracting it equals the server's add_decoded(alpha=-1) bit for bit
+        # (tests/unit/test_replies.py).
         pull = torch.cat([decode(packet) for packet in reply.pull])
         self.mirror -= pull
         for parameter, part in zip(self.parameters, _views(self.staging.to_device(pull), self.parameters)):

@@ -4,7 +4,7 @@ A view is made from a `Context` (hub, screen, viewer, picked run) and has a `lay
 `scope` says what it draws from:
 
 - `"runs"`: every run's row (`Hub.runs()`), at every refresh: `draw(rows)`. The runs list and compare.
-- `"run"`: the picked run's live view (`RunFeed.view()`), when it changed or the viewer picked another
+- `"run"`: the picked run's live view (`FollowedRun.view()`), when it changed or the viewer picked another
   run (`force`): `draw(view, force)`. The overview, the details, the controls and the status line.
 
 A tab view also has a `title`. To add one, write it here and list it in `TABS`: the session builds,

@@ -1,5 +1,5 @@
 """The control bar: pause, resume, stop, learning rate and strategy switch for the picked run; the
-switch's settings are a form made from the strategy's settings (`workbench.setting_flags.form_fields`,
+switch's settings are a form made from the strategy's settings (`workbench.cli.setting_flags.form_fields`,
 as the notebook panel's), starting from the run's own values when it is the run's strategy.
 
 Every click is checked here, on the server, with `Access.may_control`: the buttons are disabled for
@@ -15,9 +15,9 @@ from typing import Any
 
 import panel as pn
 
-from workbench.autopilot import AUTO, check_no_settings
+from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.job import check_lr
-from workbench.setting_flags import FormField, form_fields, parse_optional
+from workbench.run.autopilot import AUTO, check_no_settings
 from workbench.strategies import STRATEGIES, make_settings
 
 from ..hub import ENDED

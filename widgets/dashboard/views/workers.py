@@ -1,5 +1,5 @@
 """The "Workers" tab: which run holds each worker of the cluster, and the runs waiting for workers, in
-order, from the lease book the hub reads (`workbench.leases.view`)."""
+order, from the lease book the hub reads (`workbench.cluster.leases.view`)."""
 from __future__ import annotations
 
 import datetime

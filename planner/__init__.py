@@ -1,0 +1,1 @@
+"""Capacity planning outside the engine: the simulator of every strategy (`planner.simulate`)."""

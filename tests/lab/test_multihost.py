@@ -1,0 +1,349 @@
+"""Training across emulated hosts: a scheduler and client on one network namespace, one `dask worker` on
+each of three others, started as a user would (no settings of the workbench's own, hostnames resolving
+to loopback: gloo's classic multi-host trap). Every strategy, a live switch, a group that cannot form, a
+lost worker and a resume, the workers' allocator, and the lab's own link rates and CPU shares.
+
+Needs root and iproute2 (CI has both); skipped with the reason elsewhere.
+"""
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import cloudpickle
+import pytest
+
+import workbench
+from workbench.run.auto_policy import SYNCHRONOUS
+from workbench.plane import kinds
+from testbed import lab as labs
+from workbench.strategies import suggested_sgd
+
+import helpers
+from helpers import wait_until
+
+REASON = labs.available()
+pytestmark = [pytest.mark.multihost, pytest.mark.cluster, pytest.mark.timeout(180),
+              pytest.mark.skipif(REASON is not None, reason=f"no emulated hosts here: {REASON}")]
+
+WORKER_HOSTS = 3
+# The workers on the emulated hosts cannot import this file: its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with labs.Lab(hosts=1 + WORKER_HOSTS) as built:
+        built.start_cluster()
+        yield built
+    # Nothing of the lab is left: namespaces, links (deleted with them) and cgroups.
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert built.prefix not in listed
+    assert not any(built.cgroup(i).exists() for i in range(built.size))
+
+
+@pytest.fixture(scope="module")
+def client(lab):
+    return lab.connect(workers=WORKER_HOSTS)
+
+
+@pytest.fixture
+def all_workers(client):
+    """Every worker back (a test may have killed one: its nanny restarts it)."""
+    client.wait_for_workers(WORKER_HOSTS, timeout=60)
+    return client
+
+
+# digits_job(strategy, **changes): the strategy's suggested SGD.
+digits_job = functools.partial(helpers.digits_job, batch_size=8, epochs=2)
+
+
+def _env(name):
+    # A function of this module, not os.environ.get: a bound method of os.environ would travel with a
+    # copy of this process's environment.
+    return os.environ.get(name)
+
+
+def _set_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+STRATEGIES = [("allreduce", {}), ("average", {"period": 4}), ("async", {}), ("ssp", {}), ("easgd", {}),
+              ("async", {"compression": "topk", "topk_ratio": 0.05})]
+
+
+@pytest.mark.parametrize("strategy,settings", STRATEGIES, ids=["allreduce", "average", "async", "ssp", "easgd",
+                                                               "async-topk"])
+def test_every_strategy_trains_across_hosts_with_nothing_set_by_hand(lab, all_workers, tmp_path, strategy, settings):
+    run = workbench.train(digits_job(strategy), strategy, client=all_workers, run_dir=tmp_path, **settings)
+    assert run.wait(120) == "finished"
+    summary = run.summary()
+    assert summary["workers"] == WORKER_HOSTS and not run.events("regrouped") and not run.events("worker-lost")
+    hosts = sorted(e["address"].split("//")[1].rsplit(":", 1)[0] for e in run.events("worker-started"))
+    assert hosts == lab.addresses[1:]  # one rank on each worker host
+    assert run.evaluate()["accuracy"] >= 0.8
+    # Each worker trained, and the slowest worker's rate is reported beside the total.
+    assert set(summary["samples_per_s_per_worker"]) == set(range(WORKER_HOSTS))
+    assert 0 < summary["slowest_worker_samples_per_s"] <= summary["samples_per_s"] / WORKER_HOSTS
+    if strategy in ("async", "ssp", "easgd"):
+        assert summary["bytes_received_per_step"] > 0
+        assert set(summary["bytes_per_worker"]) == set(range(WORKER_HOSTS))
+    # The nanny set MALLOC_TRIM_THRESHOLD_ (every large tensor mapped afresh); the training task undid it.
+    assert set(all_workers.run(_env, "MALLOC_TRIM_THRESHOLD_").values()) == {"65536"}
+    assert all(e["allocator_tuned"] for e in run.events("worker-started"))
+    # The interface choice was for the group only: nothing is left set in the workers.
+    assert set(all_workers.run(_env, "GLOO_SOCKET_IFNAME").values()) == {None}
+
+
+def test_a_group_that_cannot_form_fails_the_run_at_once_and_leaves_the_workers_clean(all_workers, tmp_path):
+    # gloo pointed at loopback on every worker host: no rank can reach another.
+    all_workers.run(_set_env, "GLOO_SOCKET_IFNAME", "lo")
+    try:
+        started = time.monotonic()
+        run = workbench.train(digits_job("allreduce"), "allreduce", client=all_workers, run_dir=tmp_path,
+                              collective_timeout_s=60)
+        with pytest.raises(workbench.TrainingError, match=r"process group cannot form.*cannot reach rank .* at 127\.0\.0\.1"):
+            run.wait(120)
+        assert time.monotonic() - started < 30  # not the 60 s store timeout
+        assert run.status == "failed" and "GLOO_SOCKET_IFNAME=lo is set" in run.error
+        assert run.error.count("the process group cannot form") == 1  # the same finding on every rank, said once
+        # A configuration error, not a lost worker: the run did not go on without anyone.
+        assert not run.events("worker-lost") and not run.events("regrouped")
+    finally:
+        all_workers.run(_set_env, "GLOO_SOCKET_IFNAME", None)
+    # torch's group counter was put back on every worker: the next run forms its group.
+    run = workbench.train(digits_job("async", epochs=1), "async", client=all_workers, run_dir=tmp_path)
+    assert run.wait(120) == "finished" and run.summary()["workers"] == WORKER_HOSTS
+
+
+def test_a_live_switch_across_hosts(all_workers, tmp_path):
+    run = workbench.train(digits_job("async", epochs=4), "allreduce", client=all_workers,
+                          run_dir=tmp_path)
+    run.wait_for_step(40)
+    # Each worker's push is applied in full: from allreduce at the same lr, 3 async workers take about 3x
+    # the step, and the loss jumped from 0.2 to 0.7-0.9 after the switch (accuracy 0.50-0.93 at the end,
+    # 20 tries). A third of the lr, as the README advises, trains on without the jump.
+    run.set_lr(run.lr / WORKER_HOSTS)
+    run.switch("async", push_every=2)
+    assert run.wait(120) == "finished"
+    switched = [e for e in run.events("switched") if "to" in e]  # each worker's own record
+    assert sorted(e["worker"] for e in switched) == list(range(WORKER_HOSTS))
+    assert {e["to"] for e in switched} == {"async"} and len({e["step"] for e in switched}) == 1
+    # Every host hands the new strategy the same weights.
+    assert len({tuple(round(v, 4) for v in e["weights_before"]) for e in switched}) == 1
+    after = run.table.steps()
+    after = after[after["step"] > switched[0]["step"]]
+    assert set(after["worker"]) == set(range(WORKER_HOSTS)) and after["staleness"].notna().any()
+    assert run.summary()["workers"] == WORKER_HOSTS and run.evaluate()["accuracy"] >= 0.8
+
+
+def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path):
+    every = 30
+    run = workbench.train(digits_job("average", epochs=4), "average", client=all_workers, run_dir=tmp_path,
+                          checkpoint_every_steps=every, checkpoint_every_s=None, collective_timeout_s=60, period=2)
+    addresses = list(run.worker_addresses)
+    wait_until(lambda: run.checkpoint_info is not None and run.checkpoint_info["step"] >= every, timeout_s=60)
+    victim = addresses[2]
+    os.kill(all_workers.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    killed = time.time()
+    try:
+        assert run.wait(120) == "finished"
+    finally:  # shown when the test fails: who was lost, left or failed, and when
+        print("membership after the kill:", [(e["kind"], round(e["time"] - killed, 2), e.get("worker"), e.get("reason"))
+                                             for e in run.events() if e["kind"] in ("worker-lost", "worker-left",
+                                                                                  "worker-failed", "regrouped")])
+    regrouped = run.events("regrouped")
+    assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [victim]
+    assert regrouped[0]["time"] - killed < 5  # noticed across hosts at once, not after the 60 s timeout
+    assert not run.events("worker-failed") and run.summary()["workers"] == WORKER_HOSTS - 1
+    # Resumed on every worker host again (the killed one's nanny restarted it): from the run's end,
+    # with more epochs, on three workers.
+    all_workers.wait_for_workers(WORKER_HOSTS, timeout=60)
+    resumed_at = time.time()
+    resumed = workbench.resume(run.directory.path, client=all_workers, job=digits_job("average", epochs=5))
+    assert resumed.wait(120) == "finished"
+    assert resumed.summary()["workers"] == WORKER_HOSTS
+    steps = resumed.table.steps()
+    assert steps[steps["time"] > resumed_at]["step"].min() > 0  # went on, did not start over
+    assert resumed.evaluate()["accuracy"] >= 0.8
+
+
+def test_restore_workers_replaces_a_lost_hosts_worker_and_never_doubles_one(lab, all_workers):
+    from workbench.run.launcher import present_workers
+
+    hosts = list(range(1, 1 + WORKER_HOSTS))
+    before = present_workers(all_workers)
+    assert lab.restore_workers(all_workers, hosts) == [] and present_workers(all_workers) == before
+    # Host 3's nanny and worker gone for good (their process group), as after a broken scheduler link.
+    [(_, old)] = [(h, p) for h, p in lab.processes if h == 3 and "distributed.cli.dask_worker" in p.args]
+    os.killpg(old.pid, signal.SIGKILL)
+    old.wait(timeout=10)
+    wait_until(lambda: len(present_workers(all_workers)) == WORKER_HOSTS - 1, timeout_s=60)
+    assert lab.restore_workers(all_workers, hosts) == [3]
+    after = present_workers(all_workers)
+    hosts_now = sorted(a.split("//")[-1].rsplit(":", 1)[0] for a in after)
+    assert hosts_now == sorted(lab.addresses[h] for h in hosts)  # one worker on each host, none twice
+    assert [p for h, p in lab.processes if p is old] == []
+    assert lab.restore_workers(all_workers, hosts) == []
+
+
+def _transfer_seconds(lab, megabytes):
+    """Seconds to send `megabytes` over TCP from host 1 to host 2 (a receiver in host 2, the sender in
+    host 1, both as subprocesses inside them)."""
+    receiver = lab.spawn(2, [sys.executable, "-c", (
+        "import socket\ns = socket.create_server(('0.0.0.0', 5999))\nc, _ = s.accept()\n"
+        "while c.recv(1 << 20):\n    pass\n")], "receiver")
+    sender = subprocess.run(["ip", "netns", "exec", lab.hosts[1], sys.executable, "-c", (
+        "import socket, time\n"
+        "for _ in range(100):\n"
+        "    try:\n        c = socket.create_connection(('%s', 5999)); break\n"
+        "    except OSError:\n        time.sleep(0.05)\n"
+        "payload = bytes(1 << 20)\nt = time.perf_counter()\n"
+        "for _ in range(%d):\n    c.sendall(payload)\nc.shutdown(socket.SHUT_WR)\nc.recv(1)\n"
+        "print(time.perf_counter() - t)\n") % (lab.addresses[2], megabytes)],
+        capture_output=True, text=True, timeout=60, check=True)
+    receiver.wait(timeout=30)
+    return float(sender.stdout.strip())
+
+
+def _scheduler_link_user_timeout_ms(dask_worker):
+    import socket
+
+    # TCP_USER_TIMEOUT (18): what the kernel ends the worker's scheduler connection after.
+    return dask_worker.batched_stream.comm.stream.socket.getsockopt(socket.SOL_TCP, 18)
+
+
+def test_the_labs_workers_scheduler_links_get_the_longer_tcp_timeout(all_workers):
+    # Dask's 30 s default let a 6.18 kernel end healthy connections on a dropping shaped link (testbed/lab.py).
+    assert set(all_workers.run(_scheduler_link_user_timeout_ms).values()) == {3_600_000}
+
+
+def test_link_rates_and_cpu_shares_are_what_the_lab_says(lab):
+    try:
+        lab.set_rate("100mbit")
+        seconds = _transfer_seconds(lab, 6)
+        rate = 6 * 2**20 * 8 / seconds / 1e6
+        assert 80 < rate < 105, f"{rate:.0f} Mbit/s measured for 100mbit"
+        lab.set_cpu(1, 0.25)
+        spin = subprocess.run(["sh", "-c", f'echo $$ > {lab.cgroup(1) / "cgroup.procs"} && exec "$@"', "spin",
+                               sys.executable, "-c", "import time, os\nt = time.time()\n"
+                               "while time.time() - t < 1.0:\n    pass\nprint(os.times().user + os.times().system)"],
+                              capture_output=True, text=True, timeout=30, check=True)
+        assert float(spin.stdout) < 0.4  # a quarter core for a second, not the whole second
+        lab.set_cpu(1, 0.25, period_ms=10)  # the same share over 10 ms, and back to none
+        read = lambda name: int((lab.cgroup(1) / name).read_text())  # noqa: E731
+        assert (read("cpu.cfs_period_us"), read("cpu.cfs_quota_us")) == (10_000, 2_500)
+        lab.set_cpu(1, None)
+        assert (read("cpu.cfs_period_us"), read("cpu.cfs_quota_us")) == (100_000, -1)
+    finally:
+        lab.set_rate(None)
+        lab.set_cpu(1, None)
+
+
+def test_leftovers_of_a_killed_lab_are_removed():
+    # A namespace and cgroup named as a lab of a process that no longer exists.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"{labs.NAME_PREFIX}{dead.pid}h0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    (labs.CGROUP_CPU / name).mkdir()
+    assert name in labs.remove_leftovers()
+    assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not (labs.CGROUP_CPU / name).exists()
+
+
+def test_lab_refuses_bad_conditions_naming_them():
+    lab = labs.Lab(hosts=2)
+    assert labs.rate_bytes_per_s("100mbit") == 12.5e6 and labs.rate_bytes_per_s("2.5gbit") == 312.5e6
+    with pytest.raises(ValueError, match="rate=.fast."):
+        lab.set_rate("fast")
+    with pytest.raises(ValueError, match="share=0"):
+        lab.set_cpu(0, 0)
+    with pytest.raises(ValueError, match="period_ms=0.5 is not allowed: expected 1 to 1000"):
+        lab.set_cpu(0, 0.5, period_ms=0.5)
+    with pytest.raises(ValueError, match="share=0.05 over period_ms=10 is not allowed"):
+        lab.set_cpu(0, 0.05, period_ms=10)
+    with pytest.raises(ValueError, match="hosts=1"):
+        labs.Lab(hosts=1)
+
+
+HOST_SHARE = 0.5  # of a core, each worker host in the auto test: three fit in two cores with room
+# Granted over 10 ms, not the lab's 100: at 100 ms a host at half a core runs 50 ms and waits 50, and its
+# peers wait for it at every exchange; the spread read 0.3-0.9 on an unchanged link and `auto` rightly
+# took such a host for a straggler now and then, which made the test's first condition a matter of luck.
+HOST_PERIOD_MS = 10
+SLOW_LINK = "5mbit"  # a float32 exchange of the model here, hundreds of steps: past what averaging hides
+
+
+def _next_decision(run, before, timeout_s=60):
+    """The run's auto decision after its first `before`, once it has come."""
+    run._wait_for(lambda: len(run.events(kinds.AUTO_DECISION)) > before, timeout_s, f"{before + 1} auto decisions")
+    return run.events(kinds.AUTO_DECISION)[before]
+
+
+def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_workers, tmp_path):
+    job = workbench.Job(model=workbench.mlp(64, 10, [256, 256]), data="digits", batch_size=32, steps=1_000_000,
+                        **suggested_sgd("allreduce"))
+    # Hosts of equal speed, as separate machines are: each worker host gets half a core. Unlimited, three
+    # workers on two shared cores are uneven once nobody waits (under async, measured: one at 1.2 ms a
+    # step, two at 2.5 ms), so a straggler never seemed gone (over 60 s, two runs in three under load).
+    for host in range(1, WORKER_HOSTS + 1):
+        lab.set_cpu(host, HOST_SHARE, period_ms=HOST_PERIOD_MS)
+    run = workbench.train(job, "auto", client=all_workers, run_dir=tmp_path)
+    timings = {}
+    try:
+        # Settled on the unlimited link first: 5 windows judged (about 10 s), whatever it chose there (on
+        # half a core a host, the exchange is CPU-bound: average, period 16 to 64, maybe bf16).
+        run._wait_for(lambda: run.auto_pilot.judged >= 5, 60, "5 windows judged")
+        before = len(run.events(kinds.AUTO_DECISION))
+        assert run.strategy in SYNCHRONOUS, run.events(kinds.AUTO_DECISION)
+        # 1. The worker hosts' links fall, both ways: a float32 exchange then costs hundreds of steps of
+        # compute, more than period 64 hides even in bf16, wherever the unlimited link left it: easgd.
+        lab.set_rate(SLOW_LINK)
+        changed = time.time()
+        slow_link = _next_decision(run, before)
+        timings["link"] = slow_link["time"] - changed
+        assert slow_link["to"] == "easgd" and "more than period 64 hides even in bf16" in slow_link["reason"]
+        assert slow_link["measured"]["exchange_in_steps"] > 64, slow_link
+        # 2. The link comes back: synchronous again (the worker holding easgd's center reads slower, but
+        # the move was for the link, and the link decides the way back).
+        lab.set_rate(None)
+        restored = time.time()
+        link_back = _next_decision(run, before + 1)
+        timings["link back"] = link_back["time"] - restored
+        assert link_back["to"] in SYNCHRONOUS and "the link is back" in link_back["reason"], link_back
+        assert link_back["lr"] == pytest.approx(job.lr)
+        # 3. The last worker host at 40% of the others' CPU: a straggler, which nobody should wait for.
+        lab.set_cpu(WORKER_HOSTS, 0.4 * HOST_SHARE, period_ms=HOST_PERIOD_MS)
+        slowed = time.time()
+        straggler = _next_decision(run, before + 2)
+        timings["straggler"] = straggler["time"] - slowed
+        assert straggler["to"] == "easgd", straggler
+        assert f"worker {WORKER_HOSTS - 1} computes at" in straggler["reason"] and "nobody waits" in straggler["reason"]
+        assert straggler["lr"] == pytest.approx(job.lr)  # each worker steps at the job's lr
+        # 4. The host gets its CPU back: synchronous again, the lr back where it was.
+        lab.set_cpu(WORKER_HOSTS, HOST_SHARE, period_ms=HOST_PERIOD_MS)
+        restored = time.time()
+        back = _next_decision(run, before + 3)
+        timings["back"] = back["time"] - restored
+        assert back["to"] in SYNCHRONOUS and "workers even again" in back["reason"], back
+        assert back["lr"] == pytest.approx(job.lr)
+        # One decision per condition change at most: no flapping.
+        assert len(run.events(kinds.AUTO_DECISION)) == before + 4, run.events(kinds.AUTO_DECISION)[before:]
+    finally:
+        lab.set_rate(None)
+        for host in range(1, WORKER_HOSTS + 1):
+            lab.set_cpu(host, None)
+        run.stop()
+        run.wait(120)
+    # Measured on the 2-core VM (hosts at half a core over 10 ms): see the print below for this run's.
+    # Bounds: the chooser confirms a move in two or three windows of 2 s, and switches at least 8 s apart.
+    assert run.status == "stopped" and timings["link"] < 15 and timings["straggler"] < 15, timings
+    assert timings["link back"] < 20 and timings["back"] < 20, timings
+    assert run.evaluate()["accuracy"] >= 0.9  # it kept learning through four switches
+    print(f"auto reacted after {timings}")

@@ -1,0 +1,365 @@
+"""`auto`'s decision table, without a cluster (workbench/run/auto_policy.py): measured situation -> choice, the
+learning rate that follows a switch, and hysteresis (no flapping, a bounded rate of switches)."""
+import pytest
+
+from workbench.run.auto_policy import Chooser, Window, fitting, measure
+
+EVEN = {0: 1000.0, 1: 1000.0}
+
+
+def window(strategy, exchange_s, compute_s=0.1, rates=EVEN):
+    """`rates`: each worker's own speed (samples/s); its compute time per step follows from it."""
+    fastest = max(rates.values())
+    return Window(strategy, {w: compute_s * fastest / rate for w, rate in rates.items()}, dict(rates), exchange_s)
+
+
+def past_its_first_choice(chooser):
+    """`chooser` after a real first choice long ago (allreduce -> average), so that any later move needs
+    `confirm` windows: the first move away from the start needs one fewer."""
+    for t in range(chooser.confirm):
+        if chooser.observe(window("allreduce", 0.2), {}, t - 1000) is not None:
+            return chooser
+    raise AssertionError("no first choice")
+
+
+@pytest.mark.parametrize("strategy,settings,exchange_s,rates,expected", [
+    # A link that costs half a step or more per exchange: averaging, with a period that hides it.
+    ("allreduce", {}, 0.05, EVEN, ("average", {"period": 8, "overlap": True})),
+    ("allreduce", {}, 0.5, EVEN, ("average", {"period": 64, "overlap": True})),
+    ("allreduce", {}, 0.01, EVEN, None),  # a fast link: exact allreduce stays
+    ("allreduce", {}, 0.03, EVEN, None),  # in the band between the thresholds: nothing changes
+    ("average", {"period": 8}, 0.01, EVEN, ("allreduce", {})),  # the link got fast
+    ("average", {"period": 8}, 0.03, EVEN, None),
+    ("average", {"period": 8}, 0.05, EVEN, None),  # the period fits already
+    ("average", {"period": 8}, 0.3, EVEN, ("average", {"period": 32, "overlap": True})),  # the link got slower
+    # Overlapped, an exchange that lands within half its period is hidden already: the period stays (6
+    # steps in 16, 8 in 64); one that does not is hidden as before, and a period far longer than it needs
+    # comes down.
+    ("average", {"period": 16, "overlap": True}, 0.6, EVEN, None),
+    ("average", {"period": 64, "overlap": True}, 0.8, EVEN, None),
+    ("average", {"period": 16, "overlap": True}, 0.9, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    ("average", {"period": 64, "overlap": True}, 0.2, EVEN, ("average", {"period": 32, "overlap": True})),
+    # So slow that 64 steps cannot hide a float32 exchange (40 steps of compute): half the bytes, bf16.
+    ("average", {"period": 64, "overlap": True}, 4.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    ("allreduce", {}, 1.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    # bf16 halved what it measures (4 steps): it stays on, no flapping back to float32.
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 0.4, EVEN, None),
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "float32"}, 0.4, EVEN, None),  # as a run names it
+    # So slow that even bf16 at period 64 leaves the exchange exposed (the overlapped 64 steps cannot hide
+    # it): elastic averaging, where only the workers behind the link wait. From float32, its bf16 half counts.
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 7.0, EVEN, ("easgd", {"period": 16})),
+    ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"}, 6.0, EVEN, None),
+    ("allreduce", {}, 15.0, EVEN, ("easgd", {"period": 16})),
+    ("allreduce", {}, 12.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    ("easgd", {"period": 16}, 7.0, EVEN, None),  # the link still too slow for averaging: stays
+    ("easgd", {"period": 16}, 6.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
+    # A straggler: nobody should wait for it. Elastic averaging, the period at least 16, more where the
+    # exchange needs it to be hidden.
+    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("easgd", {"period": 16})),
+    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 16})),
+    ("average", {"period": 64}, 0.5, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 64})),
+    ("easgd", {"period": 16}, 0.01, {0: 1000.0, 1: 700.0}, None),  # still uneven: stays
+    ("easgd", {"period": 16}, 0.01, {0: 1000.0, 1: 950.0}, ("allreduce", {})),  # even again, fast link
+    ("easgd", {"period": 16}, 0.2, {0: 1000.0, 1: 950.0}, ("average", {"period": 32, "overlap": True})),
+    # A run a user pinned to async and then gave back to auto: as from any strategy that does not wait.
+    ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 700.0}, None),
+    ("async", {"push_every": 4}, 0.01, {0: 1000.0, 1: 950.0}, ("allreduce", {})),
+    ("allreduce", {}, None, EVEN, None),  # no exchange seen yet: no judgement
+])
+def test_the_decision_table(strategy, settings, exchange_s, rates, expected):
+    found = fitting(window(strategy, exchange_s, rates=rates), settings)
+    assert (found and found[:2]) == expected
+    if found:  # the reason carries the measurement behind it
+        straggling = min(rates.values()) < 0.6 * max(rates.values())
+        assert ("%" in found[2]) if straggling else ("steps" in found[2])
+
+
+def test_a_straggler_gets_elastic_averaging_and_the_lr_follows_only_moves_to_and_from_full_pushes():
+    chooser = Chooser(workers=4, confirm=1, min_interval_s=0)
+    straggling = {0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}
+    elastic = chooser.observe(window("allreduce", 0.01, rates=straggling), {}, now=0)
+    # Each easgd worker steps at the job's lr, as under allreduce: the lr stays.
+    assert elastic.strategy == "easgd" and elastic.lr_factor == 1
+    assert "worker 3 computes at 30% of the others' speed: easgd, period 16" in elastic.reason
+    # Recovery is judged on each worker's median over the recent windows: a straggler still slow, then
+    # even, is not enough (medians 0.46); a second even window is (the medians are even: 100%).
+    still_slow = window("easgd", 0.01, rates=straggling)
+    even = window("easgd", 0.01, rates={w: 1000.0 for w in range(4)})
+    assert chooser.observe(still_slow, {"period": 16}, now=0.5) is None
+    assert chooser.observe(even, {"period": 16}, now=1) is None and chooser.spread == pytest.approx(0.4615, abs=1e-3)
+    back = chooser.observe(even, {"period": 16}, now=1.5)
+    assert back.strategy == "allreduce" and back.lr_factor == 1 and "workers even again (100%)" in back.reason
+    average = chooser.observe(window("allreduce", 0.1), {}, now=2)
+    assert average.strategy == "average" and average.lr_factor == 1
+    # From async (pinned by a user, then auto again) every push was applied in full: the lr x workers.
+    from_async = Chooser(workers=4, confirm=1, min_interval_s=0).observe(window("async", 0.01), {}, 0)
+    assert from_async.strategy == "allreduce" and from_async.lr_factor == 4
+
+
+def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_unevenly():
+    # Under easgd nobody waits: the others run flat out on shared cores and measure unevenly among
+    # themselves. The straggler's own speed, against what the others had when it was called a straggler,
+    # says it recovered.
+    chooser = past_its_first_choice(Chooser(workers=4, confirm=2, min_interval_s=0))
+    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 0)
+    assert chose is None  # confirm=2: seen once
+    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 1)
+    assert chose.strategy == "easgd" and chooser.straggler == (3, pytest.approx(0.1))
+    uneven = Window("easgd", {0: 0.1, 1: 0.1, 2: 0.16, 3: 0.1}, {}, 0.001)  # worker 2 slowed by contention
+    assert uneven.speed_spread == pytest.approx(0.625)  # by itself: still "uneven", would stay async
+    assert chooser.observe(uneven, {"period": 16}, 2) is None and chooser.spread == pytest.approx(1.0)
+    back = chooser.observe(uneven, {"period": 16}, 3)
+    assert back.strategy == "allreduce" and chooser.straggler is None
+    # While the straggler is still slow, neither reading lets it go.
+    chooser = Chooser(workers=2, confirm=1, min_interval_s=0)
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0).strategy == "easgd"
+    for t in range(1, 6):
+        assert chooser.observe(window("easgd", 0.01, rates={0: 1000.0, 1: 450.0}), {"period": 16}, t) is None
+
+
+def test_easgd_taken_for_the_link_comes_back_with_the_link_though_the_centers_host_reads_slower():
+    # Under easgd the worker holding the center serves every push on its own CPU: on the lab it read 0.65
+    # of the others' speed for as long as easgd ran. Taken for the link, the way back is the link's alone.
+    chooser = past_its_first_choice(Chooser(workers=3, confirm=2, min_interval_s=0))
+    bf16 = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    even = {0: 1000.0, 1: 1000.0, 2: 1000.0}
+    move = chooser.observe(window("average", 30.0, rates=even), bf16, 0)  # clear: one window of confirm=2
+    assert move.strategy == "easgd" and "hides even in bf16" in move.reason
+    assert chooser.for_link and chooser.straggler is None
+    serving = {0: 650.0, 1: 1000.0, 2: 1000.0}  # worker 0 holds the center
+    assert chooser.observe(window("easgd", 8.0, rates=serving), {"period": 16}, 2) is None  # link still slow
+    assert chooser.observe(window("easgd", 0.2, rates=serving), {"period": 16}, 3) is None  # confirm=2: once
+    back = chooser.observe(window("easgd", 0.2, rates=serving), {"period": 16}, 4)
+    assert (back.strategy, back.settings) == ("average", {"period": 32, "overlap": True})
+    assert "the link is back (2.0 steps an exchange)" in back.reason and not chooser.for_link
+    # Taken for a straggler, the same readings keep it: the spread is what it waits on.
+    chooser = past_its_first_choice(Chooser(workers=3, confirm=1, min_interval_s=0))
+    took = chooser.observe(window("average", 0.05, rates={0: 1000.0, 1: 1000.0, 2: 400.0}), {"period": 8}, 0)
+    assert took.strategy == "easgd" and not chooser.for_link and chooser.straggler is not None
+    slow_center = {0: 650.0, 1: 1000.0, 2: 600.0}  # the straggler not quite back, the center's host slower
+    assert [chooser.observe(window("easgd", 0.2, rates=slow_center), {"period": 16}, t) for t in (1, 2, 3)] == [None] * 3
+
+
+def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
+    uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
+    # The first move away from the start: confirm - 1 windows (nothing to flap back to).
+    assert chooser.observe(uneven, {}, 0) is None
+    assert chooser.observe(window("allreduce", 0.001), {}, 1) is None  # the condition went away: start over
+    assert chooser.observe(uneven, {}, 2) is None
+    assert chooser.observe(uneven, {}, 3).strategy == "easgd"
+    # Another condition right after: three windows, and not before min_interval_s has passed.
+    back = window("easgd", 0.001)
+    assert [chooser.observe(back, {"period": 16}, t) for t in (4, 5, 6, 22)] == [None] * 4
+    assert chooser.observe(back, {"period": 16}, 23).strategy == "allreduce"
+    slow = window("allreduce", 0.07)  # 0.7 steps: averaging, near its threshold; any later move needs all three
+    assert [chooser.observe(slow, {}, t) for t in (44, 45)] == [None, None]
+    assert chooser.observe(slow, {}, 46).strategy == "average"
+
+
+def test_a_link_far_past_its_threshold_is_confirmed_one_window_sooner_and_not_held_back():
+    # allreduce at 2 steps an exchange (4x the averaging threshold), after a first move: two windows, not three.
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
+    slow = window("allreduce", 0.2)
+    assert chooser.observe(slow, {}, 0) is None
+    assert chooser.observe(slow, {}, 1).strategy == "average"
+    # Averaging in bf16 at period 64 on a link that fell: an exchange of 300 steps (past 2 x 64) goes to
+    # easgd after two windows; one of 100 steps (past 64, under 128) after three.
+    settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    for exchange_s, windows in ((30.0, 2), (10.0, 3)):
+        chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
+        choices = [chooser.observe(window("average", exchange_s), settings, t) for t in range(windows)]
+        assert choices[:-1] == [None] * (windows - 1) and choices[-1].strategy == "easgd", (exchange_s, choices)
+    # Nor is it held back by the switch before it (a period change just made): the link fell meanwhile.
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=8))
+    assert [chooser.observe(window("average", 0.9), {"period": 16, "overlap": True}, t) for t in (0, 2)] == [None, None]
+    assert chooser.observe(window("average", 0.9), {"period": 16, "overlap": True}, 4).settings["period"] == 64
+    settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    assert chooser.observe(window("average", 30.0), settings, 6) is None
+    assert chooser.observe(window("average", 30.0), settings, 8).strategy == "easgd"  # 4 s after, not 12
+    # The way back is spaced as usual: an even, fast link right after is not taken before 8 s.
+    fast = window("easgd", 0.01)
+    assert [chooser.observe(fast, {"period": 16}, t) for t in (10, 12, 14)] == [None] * 3
+    assert chooser.observe(fast, {"period": 16}, 16).strategy == "allreduce"
+    # A reading that is clear but changes its mind is not: the count starts over as before.
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
+    assert chooser.observe(slow, {}, 0) is None
+    assert chooser.observe(window("allreduce", 0.01), {}, 1) is None
+    assert chooser.observe(slow, {}, 2) is None
+    assert chooser.observe(slow, {}, 3).strategy == "average"
+
+
+def test_the_first_move_from_allreduce_to_averaging_takes_one_window_and_to_easgd_two():
+    # From the start, allreduce at 0.6 steps an exchange (past the threshold, not clear): averaging at once.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    first = chooser.observe(window("allreduce", 0.06), {}, 0)
+    assert (first.strategy, first.settings) == ("average", {"period": 8, "overlap": True})
+    # Later moves are confirmed as usual: back to allreduce after three windows, 8 s on.
+    fast = window("average", 0.001)
+    assert [chooser.observe(fast, {"period": 8, "overlap": True}, t) for t in (2, 4, 6)] == [None] * 3
+    assert chooser.observe(fast, {"period": 8, "overlap": True}, 8).strategy == "allreduce"
+    # A first move for a straggler: two windows (speeds on shared cores swing from one to the next).
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
+    uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
+    assert chooser.observe(uneven, {}, 0) is None
+    assert chooser.observe(uneven, {}, 2).strategy == "easgd"
+
+
+def test_a_link_at_the_edge_does_not_flap():
+    # An exchange cost wavering around the averaging threshold: one switch, then the band holds it.
+    chooser = Chooser(workers=2, confirm=2, min_interval_s=0)
+    strategy, settings, choices = "allreduce", {}, []
+    for t, exchange_s in enumerate([0.06, 0.04] * 3 + [0.06] * 6 + [0.04, 0.06] * 5):
+        choice = chooser.observe(window(strategy, exchange_s), settings, t)
+        if choice:
+            choices.append(choice.strategy)
+            strategy, settings = choice.strategy, choice.settings
+    assert choices == ["average"]
+
+
+def test_a_window_is_measured_from_step_records():
+    records = []
+    for step in range(5):
+        records.append({"worker": 0, "step": step, "time": 100 + 0.1 * step, "samples": 32, "compute_s": 0.08,
+                        "comm_s": 0.02})
+        records.append({"worker": 1, "step": step, "time": 100 + 0.2 * step, "samples": 32, "compute_s": 0.18,
+                        "comm_s": 0.02})
+    measured = measure(records, "allreduce")
+    assert measured.compute_s == pytest.approx({0: 0.08, 1: 0.18})
+    assert measured.samples_per_s == pytest.approx({0: 320.0, 1: 160.0})
+    assert measured.exchange_s == pytest.approx(0.02) and measured.speed_spread == pytest.approx(0.08 / 0.18)  # the other one: the median of one
+    assert measured.slowest == 1
+    assert measured.exchange_in_steps == pytest.approx(0.02 / 0.13)
+    # Under averaging only the syncs carry an exchange; too few steps say nothing.
+    for record in records:
+        record["comm_total_s"] = 0.5 if record["step"] == 4 else None
+    assert measure(records, "average").exchange_s == 0.5
+    # The slowest worker's exchange decides; a worker with none in the window leaves it unknown.
+    records[-2]["comm_total_s"] = None
+    assert measure(records, "average").exchange_s is None
+    for record in records:
+        record["comm_total_s"] = 0.5 if record["worker"] == 0 else 2.0
+    records[-1]["comm_total_s"] = 0.1
+    assert measure(records, "easgd").exchange_s == 2.0
+    assert measure(records[:4], "allreduce") is None
+
+    # Only exchanges that landed after `since` (per worker) count: each is evidence once.
+    assert measure(records, "easgd", since={0: 100.35, 1: 100.75}).exchange_s == 0.5  # worker 1's new one: 0.1
+    assert measure(records, "easgd", since={0: 100.45, 1: 100.85}).exchange_s is None
+
+
+class _Run:
+    """The parts of a run `AutoPilot.tick` reads and calls, over a real `MetricsTable` fed a scripted
+    stream of step records (the pure decision path; the cluster's is in tests/lab/test_multihost.py)."""
+
+    def __init__(self):
+        from workbench.plane.metrics import MetricsTable
+
+        self.status, self.strategy, self.settings = "running", "average", {"period": 64, "overlap": True}
+        self.worker_addresses, self.lr, self.table, self.switches = ["a", "b"], 0.1, MetricsTable(), []
+        self.feed = type("Feed", (), {"publish": lambda _, event: None})()
+
+    def set_lr(self, lr):
+        self.lr = lr
+
+    def switch(self, strategy, by_auto=False, **settings):
+        self.switches.append((strategy, settings))
+        self.strategy, self.settings = strategy, settings
+
+
+def test_after_the_link_falls_auto_moves_on_the_second_slow_exchange_not_held_by_the_fast_ones_before():
+    """Averaging every 64 steps of 5 ms, overlapped; at t=20 s an exchange goes from 20 ms to 3 s (600
+    steps: past what bf16 at period 64 hides), longer than a window. Ticked every 0.1 s, judging every
+    2 s or as soon as an exchange awaited lands. The move must come as the second slow exchange lands,
+    not a window later: an 8 s window that also held the fast exchanges before the fall read as fast and
+    cleared the first slow reading (here the move came a third slow exchange later; on the lab 14 s
+    after the fall), one slow exchange read in two windows must not confirm it alone, and a tick that
+    waits for its time after the exchange landed is up to a window late (on the lab, a second)."""
+    from workbench.run.autopilot import AutoPilot
+
+    run, pilot = _Run(), AutoPilot(workers=2)
+    pilot.chooser._last_choice_at = 0.0  # past its first move (p16 -> p64), as in the benchmark
+    fall, step_s, landed = 20.0, 0.005, {0: [], 1: []}
+    state = {w: {"step": 0, "since_sync": 0, "lands": None, "cost": None} for w in (0, 1)}
+    t = 0.0
+    while t < 40 and not run.switches:
+        t = round(t + step_s, 3)
+        records = []
+        for w, s in state.items():
+            record = {"kind": "step", "worker": w, "step": s["step"], "time": t + 0.001 * w, "samples": 32,
+                      "compute_s": step_s, "comm_s": 0.0, "comm_total_s": None, "loss": 1.0,
+                      "strategy": run.strategy}
+            if s["lands"] is not None and t >= s["lands"]:
+                record["comm_total_s"], s["lands"] = s["cost"], None
+                landed[w].append(t)
+            s["step"], s["since_sync"] = s["step"] + 1, s["since_sync"] + 1
+            if s["since_sync"] >= 64 and s["lands"] is None:
+                s["cost"] = 0.02 if t < fall else 3.0
+                s["lands"], s["since_sync"] = t + s["cost"], 0
+            records.append(record)
+        run.table.add(records)
+        if round(t / 0.1, 6) == int(round(t / 0.1, 6)):
+            pilot.tick(run, t)
+    slow = sorted(x for x in landed[0] if x > fall)
+    assert run.switches and run.switches[0][0] == "easgd", run.switches
+    landed_on_both = max(min(x for x in landed[w] if x > slow[0] + 1) for w in (0, 1)) if len(slow) >= 2 else None
+    assert len(slow) >= 2 and slow[1] <= t <= landed_on_both + 0.1 + 0.01, (t, slow, landed_on_both)
+
+
+def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_warm_up():
+    """Under allreduce every step is an exchange: the first move need not wait for the 2 s tick. Steps of
+    10 ms compute and 10 ms all-reduce (1 step: average, period 16) after 8 warm-up steps of 100 ms
+    compute (which, counted, would make the exchange 0.31 steps and the period 4). Ticked every step."""
+    from workbench.run.autopilot import FIRST_STEPS, WARMUP_STEPS, AutoPilot
+
+    run, pilot = _Run(), AutoPilot(workers=2)
+    run.strategy, run.settings = "allreduce", {}
+    t, step = 0.0, 0
+    pilot.tick(run, t)  # the run's start: nothing measured yet
+    while t < 3 and not run.switches:
+        compute = 0.1 if step < WARMUP_STEPS else 0.01
+        t = round(t + compute + 0.01, 3)
+        run.table.add([{"kind": "step", "worker": w, "step": step, "time": t + 0.001 * w, "samples": 32,
+                        "compute_s": compute, "comm_s": 0.01, "wait_s": 0.0, "loss": 1.0, "strategy": run.strategy}
+                       for w in (0, 1)])
+        step += 1
+        pilot.tick(run, t)
+    assert run.switches == [("average", {"period": 16, "overlap": True})], run.switches
+    assert step == WARMUP_STEPS + FIRST_STEPS and t < 1.5, (step, t)  # at the tick after the last of them, not at 2 s
+    assert pilot.judged == 1
+
+
+def test_pin_is_refused_on_a_run_not_started_with_auto_and_auto_takes_no_settings(tmp_path):
+    import workbench
+    from workbench.run.handle import Run
+
+    job = workbench.Job(model=workbench.mlp(64, 10), data="digits")
+    with pytest.raises(workbench.TrainingError, match="not started with strategy='auto'"):
+        Run(job, "allreduce", client=None, workers=None, run_dir=tmp_path, name=None, collective_timeout_s=60,
+            settings={}).pin()
+    with pytest.raises(workbench.ConfigError, match=r"^period=4 .*no settings with strategy='auto'"):
+        workbench.train(job, "auto", run_dir=tmp_path, period=4)
+
+
+def test_a_move_is_confirmed_by_its_strategy_though_the_fitting_period_wavers():
+    # Back from easgd on a link whose measured exchange cost wavers: period 32 in one window, 64 in the
+    # next. The move to 'average' is confirmed by three windows all the same, with the last one's period.
+    chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
+    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0)
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 1).strategy == "easgd"
+    choices = [chooser.observe(window("easgd", exchange_s), {"period": 16}, t)
+               for t, exchange_s in enumerate([0.2, 0.4, 0.2], start=2)]
+    assert choices[:2] == [None, None]
+    assert (choices[2].strategy, choices[2].settings) == ("average", {"period": 32, "overlap": True})
+
+
+def test_a_window_where_no_exchange_landed_neither_confirms_nor_clears_a_candidate():
+    # On a slow link an exchange may take longer than a window, and a window may hold too few steps to
+    # judge (None): such windows leave the count as it was.
+    chooser = past_its_first_choice(Chooser(workers=2, confirm=3, min_interval_s=0))
+    slow, unknown = window("average", 7.0, rates=EVEN), window("average", None, rates=EVEN)
+    settings = {"period": 64, "overlap": True, "wire_dtype": "bf16"}
+    assert [chooser.observe(w, settings, t) for t, w in enumerate([slow, unknown, slow, None])] == [None] * 4
+    chose = chooser.observe(slow, settings, 5)
+    assert chose.strategy == "easgd" and chose.settings == {"period": 16} and chose.lr_factor == 1
+    assert "more than period 64 hides even in bf16" in chose.reason

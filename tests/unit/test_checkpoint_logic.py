@@ -1,0 +1,154 @@
+"""Pure checkpoint logic, no cluster: data position, finiteness, model checks, atomic files, and the
+agreement on checkpoints asked for by the client."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import workbench
+from workbench.plane import checkpoint_format as checkpoints
+from workbench.errors import ResumeError
+from workbench.cluster.membership import _Dispatcher
+from workbench.worker.switching import Position, decide
+
+
+@pytest.mark.parametrize("step,per_epoch,expected", [(0, 10, (0, 0)), (9, 10, (0, 9)), (10, 10, (1, 0)),
+                                                     (57, 10, (5, 7)), (3, 1, (3, 0))])
+def test_the_data_position_follows_from_the_step(step, per_epoch, expected):
+    assert checkpoints.data_position(step, per_epoch) == expected
+
+
+def test_a_data_position_needs_whole_epochs():
+    with pytest.raises(ValueError):
+        checkpoints.data_position(5, 0)
+
+
+def test_non_finite_values_are_found_anywhere_in_a_checkpoint():
+    good = {"weights": {"a": torch.ones(3), "steps": torch.tensor([1, 2])}, "lr": 0.1, "ranks": [{"x": torch.zeros(2)}]}
+    assert checkpoints.all_finite(good)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not checkpoints.all_finite({**good, "ranks": [{"x": torch.tensor([0.0, bad])}]})
+        assert not checkpoints.all_finite({**good, "lr": bad})
+    assert checkpoints.all_finite({"name": "allreduce", "count": 3, "none": None})
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference():
+    model = workbench.mlp(64, 10, [32])()
+    same = {"weights": model.state_dict()}
+    checkpoints.check_matches_model(same, workbench.mlp(64, 10, [32])(), "c.pt")
+    with pytest.raises(ResumeError, match="shapes differ") as caught:
+        checkpoints.check_matches_model(same, workbench.mlp(64, 10, [16])(), "c.pt")
+    assert caught.value.parameter == "checkpoint"
+    with pytest.raises(ResumeError, match="missing"):
+        checkpoints.check_matches_model({"weights": {}}, model, "c.pt")
+
+
+def test_checkpoints_are_written_whole_or_not_at_all(tmp_path):
+    path = tmp_path / checkpoints.CHECKPOINT_FILE
+    first = {"step": 1, "weights": {"w": torch.ones(2)}}
+    checkpoints.save(path, first)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot save this")
+
+    with pytest.raises(RuntimeError):
+        checkpoints.save(path, {"step": 2, "weights": {"w": torch.zeros(2)}, "bad": Unpicklable()})
+    kept = checkpoints.load(tmp_path)  # the first one, intact; no temporary file left
+    assert kept["step"] == 1 and torch.equal(kept["weights"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoints.CHECKPOINT_FILE]
+
+
+def test_loading_says_what_is_wrong_with_a_run_directory(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ResumeError, match="checkpoint_every"):
+        checkpoints.load(tmp_path)
+    (tmp_path / checkpoints.CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ResumeError, match="readable"):
+        checkpoints.load(tmp_path)
+
+
+def test_the_snapshot_store_hands_out_the_newest_checkpoint_once():
+    checkpoints.leave_snapshot("run-x", {"step": 10})
+    checkpoints.leave_snapshot("run-x", {"step": 20})
+    assert checkpoints.take_snapshot("run-x") == {"step": 20}
+    assert checkpoints.take_snapshot("run-x") is None
+
+
+def test_rank_zero_goes_on_once_the_client_has_fetched_its_checkpoint():
+    # A checkpoint left in rank 0's process is lost with it until the client has fetched it.
+    left = {"step": 40}
+    checkpoints.leave_snapshot("run-y", left)
+    taken = []
+    fetcher = threading.Timer(0.3, lambda: taken.append(checkpoints.take_snapshot("run-y")))
+    fetcher.start()
+    began = time.monotonic()
+    assert checkpoints.wait_fetched("run-y", left, timeout_s=30, interrupted=lambda: False)
+    waited = time.monotonic() - began
+    fetcher.join(timeout=5)
+    assert taken == [left] and 0.2 < waited < 5
+    # Never fetched: back after the timeout; interrupted (pause, stop, switch): back at once.
+    checkpoints.leave_snapshot("run-y", left)
+    began = time.monotonic()
+    assert not checkpoints.wait_fetched("run-y", left, timeout_s=0.3, interrupted=lambda: False)
+    assert 0.25 < time.monotonic() - began < 5
+    began = time.monotonic()
+    assert not checkpoints.wait_fetched("run-y", left, timeout_s=30, interrupted=lambda: True)
+    assert time.monotonic() - began < 1
+    assert checkpoints.take_snapshot("run-y") is left  # still there for the client
+
+
+def _position(step, checkpoint_id, at_end=False):
+    return Position(step, at_end, False, {"version": checkpoint_id + 1, "checkpoint_id": checkpoint_id,
+                                          "switch_id": 0, "stop": False})
+
+
+def test_a_requested_checkpoint_is_taken_by_all_at_the_largest_step():
+    decision = decide([_position(12, 1), _position(15, 0)], applied_switch_id=0, known_checkpoint_id=0)
+    assert decision.checkpoint == 1 and decision.target_step == 15 and decision.switch is None
+    assert decide([_position(12, 1), _position(15, 1)], 0, known_checkpoint_id=1).checkpoint is None
+
+
+def test_membership_changes_reach_every_listener_and_nothing_else():
+    heard = []
+    dispatcher = _Dispatcher()
+    dispatcher.listeners += [lambda action, address: heard.append((1, action, address)),
+                             lambda action, address: 1 / 0,  # a broken listener does not stop the others
+                             lambda action, address: heard.append((2, action, address))]
+    dispatcher((0.0, {"action": "remove-worker", "worker": "tcp://a:1"}))
+    dispatcher((0.0, {"action": "add-client", "client": "c"}))
+    dispatcher((0.0, "not a dict"))
+    assert heard == [(1, "remove-worker", "tcp://a:1"), (2, "remove-worker", "tcp://a:1")]
+
+
+def test_lost_workers_and_regroups_are_marked_on_the_loss_chart():
+    from workbench.plane.metrics import MetricsTable, control_markers
+
+    events = [{"kind": "worker-lost", "worker": 2, "address": "tcp://w:3", "step": 57, "time": 5.0},
+              {"kind": "regrouped", "worker": None, "workers": ["a", "b"], "from_step": 40, "time": 6.0,
+               "reason": "workers lost"},
+              {"kind": "worker-lost", "worker": 1, "address": "tcp://w:2", "step": None, "time": 7.0}]
+    assert control_markers(events) == [
+        {"kind": "regrouped", "step": 40, "time": 6.0, "label": "2 workers from step 40 (workers lost)"},
+        {"kind": "worker-lost", "step": 57, "time": 5.0, "label": "lost tcp://w:3"}]
+    table = MetricsTable()
+    table.add([{"kind": "worker-started", "worker": 2, "address": "tcp://w:3", "time": 1.0}, events[0]])
+    (row,) = table.live_view()["workers"]
+    assert row["state"] == "lost"
+
+
+def test_resuming_from_a_missing_empty_or_checkpointless_directory_says_which(tmp_path):
+    from workbench.plane.checkpoint_format import load
+    from workbench.errors import ResumeError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "config.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    expected = {"missing": "No such directory", "empty": "It is empty", "a-file": "It is a file",
+                "early": "ended before its first checkpoint"}
+    for name, words in expected.items():
+        with pytest.raises(ResumeError, match=f"^run_dir=.*{words}"):
+            load(tmp_path / name)

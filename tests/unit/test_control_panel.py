@@ -1,0 +1,46 @@
+"""The notebook control panel without a cluster: a run not started yet, and the worker table (the panel
+driving a real run: tests/cluster/test_control_panel_cluster.py)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import workbench
+from widgets import ControlPanel
+
+import helpers
+
+pytestmark = [pytest.mark.timeout(240)]
+
+digits_job = functools.partial(helpers.digits_job, lr=0.05, momentum=0.7, batch_size=8, epochs=200)
+
+
+def test_a_panel_of_an_unstarted_run_offers_only_start_and_refuses_a_too_fast_refresh():
+    run = workbench.train(digits_job(), "ssp", max_staleness=1, start=False)  # no cluster needed yet
+    with pytest.raises(workbench.ConfigError, match="refresh_s"):
+        ControlPanel(run, refresh_s=0.05)
+    panel = ControlPanel(run)
+    try:
+        assert not panel.start_button.disabled and panel.start_button.description == "Start"
+        assert all(w.disabled for w in (panel.pause_button, panel.resume_button, panel.stop_button,
+                                        panel.switch_button, panel.lr_slider, panel.period_slider))
+        assert panel.strategy_dropdown.value == "ssp" and panel.setting_widgets["max_staleness"].value == 1
+        assert panel.period_slider.description == "push_every"
+        assert "new run" in panel.title.value and "created" in panel.title.value
+        assert sorted(panel.strategy_dropdown.options) == sorted([*workbench.STRATEGIES, "auto"])
+    finally:
+        panel.close()
+
+
+def test_the_worker_table_shows_gpu_memory_and_use_only_where_workers_report_them():
+    from widgets.control_panel import _worker_table
+
+    row = {"worker": 0, "state": "training", "step": 7, "samples_per_s": 1200.0, "last_seen_s": 0.2,
+           "address": "tcp://10.0.0.1:4000"}
+    cpu = _worker_table([row, {**row, "worker": 1}])
+    assert "GPU" not in cpu
+    gpu = _worker_table([{**row, "gpu_memory_mb": 2048.4, "gpu_utilization": 97.0},
+                         {**row, "worker": 1, "gpu_memory_mb": 1024.0}])
+    assert "<th>GPU memory (MB)</th><th>GPU use (%)</th>" in gpu
+    assert "<td>2,048</td><td>97</td>" in gpu and "<td>1,024</td><td></td>" in gpu

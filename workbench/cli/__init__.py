@@ -1,0 +1,1 @@
+"""The `workbench` command: its parser pieces, the strategy settings as flags, `workbench train`."""

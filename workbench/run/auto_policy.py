@@ -1,0 +1,312 @@
+"""`auto`'s decisions: which strategy fits what the run measures, pure and apart from any I/O.
+
+From the step records the workers already send, `measure` makes a `Window`: each worker's compute time
+and rate, and what one exchange of the model costs (the exposed all-reduce under `allreduce`, the whole
+averaging exchange under `average`, the round trip of a push under the parameter-server strategies).
+`Chooser.observe` turns a stream of windows into at most one decision per condition: a `Choice` with the
+strategy, its settings, the factor for the learning rate (README: the lr means something else after a
+switch) and a one-line reason with the measurements. Hysteresis: the thresholds to enter and to leave a
+choice differ, a choice must be seen in `confirm` windows in a row, and switches are `min_interval_s`
+apart (a link reading far past its threshold, `clear`, needs one window fewer and is not held back; the
+first move away from the start also needs one fewer, and a first move from allreduce to averaging one).
+An overlapped exchange already hidden in half its period does not raise the period.
+The supervisor applies a choice with the live switch; tests/unit/test_auto.py holds the table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+SYNCHRONOUS = ("allreduce", "average")
+PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr (README)
+# What a straggler gets: elastic averaging, where each worker exchanges with the center on its own every
+# `period` steps, so nobody waits. Measured on the lab with one host at 30% of a core (benchmarks/auto.py,
+# MLP 64-1024-1024-10): easgd period 16 reached the target in 105 s at 7,300 samples/s, average p16 (in
+# lockstep with the straggler) in 157 s at 3,300, and async push_every 4 in 204-227 s at 3,100: its
+# server serves a push of the whole model every 4 steps from each worker, on the same shared cores.
+STRAGGLER_STRATEGY = "easgd"
+STRAGGLER_MIN_PERIOD = 16
+# What a link too slow for any averaging gets: the same elastic averaging, period 16. Where even bf16 at
+# MAX_PERIOD cannot hide an exchange, a synchronous strategy waits on the link at every exchange; under
+# easgd only the workers behind the slow link wait, each on its own, and the center keeps moving with the
+# others. Measured on the lab (benchmarks/auto.py, link 20 Mbit/s, a bf16 exchange 490 steps of compute):
+# easgd period 16 reached the target in 108 s, average period 64 in bf16 in 224 s.
+LINK_BOUND_STRATEGY, LINK_BOUND_PERIOD = "easgd", 16
+
+# Thresholds, as fractions: one exchange's cost against one step's compute, and the slowest worker's speed
+# against the fastest's. Entering and leaving a choice use different ones, so a condition at the edge
+# does not flap.
+AVERAGE_ABOVE = 0.5  # an exchange costs half a step or more: average
+ALLREDUCE_BELOW = 0.15  # it costs under 15% of a step: allreduce, exact
+STRAGGLER_BELOW = 0.6  # the slowest worker at under 60% of the fastest's speed: asynchronous
+STRAGGLER_GONE_ABOVE = 0.8  # back over 80%: synchronous again
+HIDDEN_SHARE = 0.1  # the period makes the exchange about this share of the compute it overlaps
+# A link-driven move whose reading is this far past its threshold (an exchange of 2 steps or more under
+# allreduce; a bf16 one past twice MAX_PERIOD) is confirmed one window sooner: at the edge three windows
+# keep a wavering link from flapping, but a link that fell from unlimited to 20 Mbit/s read 446 steps
+# against 64, and each window more is 2 s more of waiting on it (benchmarks/auto.py, changing link).
+CLEAR = 2.0
+# An overlapped exchange that lands within this share of its period is hidden already: the period is not
+# raised for it. Its reading is its whole time beside the steps (under allreduce: the exposed all-reduce,
+# HIDDEN_SHARE rules), and a longer period buys throughput only at a cost in learning per sample. Measured
+# on the lab, links unlimited (benchmarks/auto.py, four runs each): average p64 at 10% more samples/s than
+# p16 but 53.4 s to the target against 49.3; `auto` raised 16 -> 64 there on readings of 3.9-5.7 steps.
+OVERLAP_FITS = 0.5
+MAX_PERIOD = 64  # also the link-bound threshold (`fitting`): entered at a bf16 exchange over this many steps,
+# left at a float32 one under it (half that in bf16), a band of 2x so a link at the edge does not flap
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What the run measured over a few seconds under its current strategy."""
+
+    strategy: str
+    compute_s: dict[int, float]  # per worker: mean compute per step
+    samples_per_s: dict[int, float]  # per worker
+    exchange_s: float | None  # one exchange of the model, whole; None when none was seen in the window
+
+    @property
+    def exchange_in_steps(self) -> float | None:
+        """One exchange's cost in steps of compute (the median worker's)."""
+        if self.exchange_s is None or not self.compute_s:
+            return None
+        return self.exchange_s / max(1e-9, statistics.median(self.compute_s.values()))
+
+    @property
+    def speed_spread(self) -> float:
+        """The slowest worker's speed against the others' (their median; 1: all equal), from compute time
+        per step: under a synchronous strategy every worker's rate is the slowest's, so rates cannot tell.
+        Against the median, not the fastest: on shared cores one worker often runs ahead for a while."""
+        if len(self.compute_s) < 2:
+            return 1.0
+        slowest = self.compute_s[self.slowest]
+        others = [t for w, t in self.compute_s.items() if w != self.slowest]
+        return statistics.median(others) / slowest if slowest > 0 else 1.0
+
+    @property
+    def slowest(self) -> int:
+        return max(self.compute_s, key=self.compute_s.get) if self.compute_s else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    strategy: str
+    settings: dict[str, Any]
+    lr_factor: float  # multiply the learning rate by this as the switch is made
+    reason: str
+
+
+def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float] | None = None) -> Window | None:
+    """A window from step records (all workers, a few seconds of them); None when too few to judge.
+    `since`: per worker, the time of the newest record an earlier window judged its exchange by; only
+    exchanges that landed after it count, so each exchange is evidence once (see `AutoPilot`)."""
+    by_worker: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        by_worker.setdefault(record["worker"], []).append(record)
+    if len(by_worker) < 2 or min(len(steps) for steps in by_worker.values()) < 3:
+        return None
+    compute = {w: statistics.fmean(r["compute_s"] for r in steps) for w, steps in by_worker.items()}
+    rates = {}
+    for worker, steps in by_worker.items():
+        span = max(r["time"] for r in steps) - min(r["time"] for r in steps)
+        rates[worker] = sum(r["samples"] for r in steps[1:]) / span if span > 0 else 0.0
+    # The exchanges seen (every all-reduce; averaging syncs, pushes answered), per worker. The slowest
+    # worker's decides: under easgd, workers behind a slow link exchange rarely, and a median over all
+    # exchanges would be the fast ones'. A worker with none in the window: its exchange is not known yet.
+    field = "comm_s" if strategy == "allreduce" else "comm_total_s"
+    since = since or {}
+    costs = {w: [r[field] for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
+             for w, steps in by_worker.items()}
+    exchange = max(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
+    return Window(strategy, compute, rates, exchange)
+
+
+def _period(exchange_in_steps: float) -> int:
+    """A power of two that makes one exchange about HIDDEN_SHARE of the steps it overlaps."""
+    wanted = max(2.0, exchange_in_steps / HIDDEN_SHARE)
+    return int(min(MAX_PERIOD, 2 ** math.ceil(math.log2(wanted))))
+
+
+def _averaging(exchange_in_steps: float, settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`average`'s settings for an exchange of that cost, and their words: overlapped, the period that
+    hides it, and bf16 on the wire (half the bytes) once even MAX_PERIOD steps cannot hide a float32
+    exchange. bf16 stays on while averaging goes on: the exchange it measures is then half of what turned
+    it on, and turning it off on that reading would flap."""
+    period = _period(exchange_in_steps)
+    bf16 = settings.get("wire_dtype") == "bf16" or exchange_in_steps / HIDDEN_SHARE > MAX_PERIOD
+    chosen = {"period": period, "overlap": True, **({"wire_dtype": "bf16"} if bf16 else {})}
+    return chosen, f"average, period {period}, overlapped" + (", bf16 on the wire" if bf16 else "")
+
+
+def _in_bf16(steps: float, settings: dict[str, Any]) -> float:
+    """An exchange's cost in steps as it would be in bf16 on the wire (half a float32 one's bytes)."""
+    return steps if settings.get("wire_dtype") == "bf16" else steps / 2
+
+
+def _lr_factor(current: str, chosen: str, workers: int) -> float:
+    """Under `async` and `ssp` every push is applied in full: about `workers` times the step of a
+    synchronous strategy at the same lr (measured, README); the lr follows a move to them, and back (`auto`
+    comes from them when a user pinned one and turned `auto` on again). Elastic averaging's workers take
+    their own steps at the job's lr: nothing to change."""
+    if chosen in PUSHES_IN_FULL and current not in PUSHES_IN_FULL:
+        return 1.0 / workers
+    if current in PUSHES_IN_FULL and chosen not in PUSHES_IN_FULL:
+        return float(workers)
+    return 1.0
+
+
+def fitting(window: Window, settings: dict[str, Any], spread: float | None = None,
+            for_link: bool = False) -> tuple[str, dict[str, Any], str] | None:
+    """The strategy and settings the window calls for, with the reason; None: the current one fits.
+    `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one).
+    `for_link`: the run is asynchronous because the link was too slow, not for a straggler: the way back
+    is the link's alone. Under easgd the worker that holds the center serves every push on its own host's
+    CPU and reads slower than the others (measured on the lab, three hosts at half a core: 2.5-3.5 ms a
+    step against 1.8-2.0, a spread of 0.6-0.7 for a minute after the link came back, never "even"): the
+    spread then reads the strategy, not the hosts. A straggler that is real shows once synchronous again."""
+    spread = window.speed_spread if spread is None else spread
+    steps = window.exchange_in_steps
+    current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
+    if spread < STRAGGLER_BELOW and not asynchronous:
+        # The period that hides the exchange, at least 16: each exchange is also served by the center.
+        period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
+        return (STRAGGLER_STRATEGY, {"period": period},
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {STRAGGLER_STRATEGY}, period {period} "
+                f"(nobody waits: each worker exchanges with the center on its own)")
+    if asynchronous and spread < STRAGGLER_GONE_ABOVE and not for_link:
+        return None  # still uneven: stay asynchronous
+    if steps is None:
+        return None
+    if not asynchronous and _in_bf16(steps, settings) > MAX_PERIOD:
+        return (LINK_BOUND_STRATEGY, {"period": LINK_BOUND_PERIOD},
+                f"an exchange costs {steps:.0f} steps of compute, more than period {MAX_PERIOD} hides even in bf16: "
+                f"{LINK_BOUND_STRATEGY}, period {LINK_BOUND_PERIOD} (only the workers behind the slow link wait, each on its own)")
+    if asynchronous and steps >= MAX_PERIOD:
+        return None  # the link is still too slow for averaging: stay
+    if asynchronous:  # even again, or the link back: the link decides between the synchronous strategies
+        why = f"the link is back ({steps:.1f} steps an exchange)" if for_link else f"workers even again ({spread:.0%})"
+        if steps >= AVERAGE_ABOVE:
+            chosen, words = _averaging(steps, {})
+            return ("average", chosen, f"{why}, an exchange costs {steps:.1f} steps: {words}")
+        return ("allreduce", {}, f"{why}, an exchange costs {steps:.2f} steps: allreduce (exact)")
+    if current == "allreduce" and steps >= AVERAGE_ABOVE:
+        chosen, words = _averaging(steps, {})
+        return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {words}")
+    if current == "average" and steps <= ALLREDUCE_BELOW:
+        return ("allreduce", {}, f"an exchange costs {steps:.2f} steps of compute: allreduce (exact)")
+    if current == "average" and steps >= AVERAGE_ABOVE:
+        chosen, _ = _averaging(steps, settings)
+        period = settings.get("period", 0)
+        if settings.get("overlap") and steps <= OVERLAP_FITS * period and chosen["period"] >= period:
+            return None  # hidden behind the steps already: nothing to raise
+        # A run's settings name every field ("float32" too); a choice names bf16 only.
+        wire_changes = chosen.get("wire_dtype", "float32") != settings.get("wire_dtype", "float32")
+        if chosen["period"] != settings.get("period") or wire_changes:
+            change = f"period {settings.get('period')} -> {chosen['period']}" + (", bf16 on the wire" if wire_changes else "")
+            return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {change}")
+    return None
+
+
+def clear(window: Window, settings: dict[str, Any], strategy: str) -> bool:
+    """Whether a synchronous window's move to `strategy` is called for by a link reading CLEAR times past
+    the threshold that calls for it (the chooser then confirms it one window sooner, and does not hold
+    it back for the last switch)."""
+    steps = window.exchange_in_steps
+    if steps is None or window.strategy not in SYNCHRONOUS:
+        return False
+    if strategy == LINK_BOUND_STRATEGY:
+        return _in_bf16(steps, settings) > CLEAR * MAX_PERIOD
+    return window.strategy == "allreduce" and strategy == "average" and steps >= CLEAR * AVERAGE_ABOVE
+
+
+def recovered_spread(recent: list[dict[int, float]], straggler: tuple[int, float] | None) -> float:
+    """How even the workers are again, judged while asynchronous over the `recent` windows' compute times
+    per step (oldest first): the better of two readings, each robust to the seconds-long swings of
+    workers sharing cores (measured: 50-100% of each other's speed from one window to the next).
+
+    - Each worker's median over the windows, slowest against the others' median (as `speed_spread`).
+    - The straggler's own median against the compute time the others had when it was called a
+      straggler (`straggler`: its rank and that reference): its own speed back, whatever the others do
+      now that nobody waits for anyone and they run flat out.
+    """
+    workers = set().union(*recent) if recent else set()
+    medians = {w: statistics.median(c[w] for c in recent if w in c) for w in workers}
+    spread = Window("async", medians, {}, None).speed_spread if len(medians) >= 2 else 1.0
+    if straggler is not None and straggler[0] in medians and medians[straggler[0]] > 0:
+        spread = max(spread, straggler[1] / medians[straggler[0]])
+    return spread
+
+
+class Chooser:
+    """Decides from a stream of windows; at most one choice per `min_interval_s`, each seen `confirm`
+    times in a row first (where the link reading is `clear`, and for the first choice: one fewer)."""
+
+    RECENT = 3  # windows whose medians judge a recovery
+
+    def __init__(self, workers: int, confirm: int = 3, min_interval_s: float = 8.0) -> None:
+        self.workers, self.confirm, self.min_interval_s = workers, confirm, min_interval_s
+        self._candidate: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+        self._seen = 0
+        self._last_choice_at = -math.inf  # none yet: the next choice is the run's first
+        self.spread: float | None = None  # what the last decision was judged by
+        self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
+        self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
+        self.for_link = False  # asynchronous because the link was too slow (`fitting`)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a choice has been seen and waits to be confirmed."""
+        return self._seen > 0
+
+    def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
+        if window is not None:
+            self._recent = (self._recent + [window.compute_s])[-self.RECENT:]
+            # Slowing down counts at once (a straggler must not be waited for); a recovery is judged
+            # over the recent windows (`recovered_spread`).
+            asynchronous = window.strategy not in SYNCHRONOUS
+            self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
+        found = fitting(window, settings, self.spread, self.for_link) if window is not None else None
+        if found is None and (window is None or window.exchange_s is None):
+            # Too few steps or no exchange landed in the window (a slow link, a switch being made):
+            # neither for nor against a candidate.
+            return None
+        if found is None:
+            self._candidate, self._seen = None, 0
+            return None
+        strategy, chosen, reason = found
+        # A move to another strategy is confirmed by the strategy alone, with the settings of the window
+        # that confirms it: the period that fits wavers with the measured exchange from window to window
+        # (measured: 32 and 64 in turn), and keyed on it a move back from async was never confirmed.
+        key = (strategy,) if strategy != window.strategy else (strategy, tuple(sorted(chosen.items())))
+        self._seen = self._seen + 1 if key == self._candidate else 1
+        self._candidate = key
+        # A clear link reading is also not held back by the last switch: it moves away from the link
+        # (averaging, easgd), and the way back is still confirmed and spaced as usual, so it cannot flap.
+        # Measured: a move to period 64 (unlimited) held the move to easgd after the link fell for 8 s.
+        obvious = clear(window, settings, strategy)
+        # The first move away from the start is also confirmed one window sooner: there is no earlier
+        # choice to flap back to, and each window more is 2 s more under allreduce while it does not fit
+        # (measured: a third of the time `auto` lost to the best fixed strategy, unlimited and straggler).
+        # A first move from allreduce to averaging, one more sooner: one window decides it. Made wrongly, it
+        # costs little (averaging keeps pace with allreduce where the link is fast, and the way back is
+        # confirmed as usual); a first move to easgd still waits for two (speeds on shared cores swing).
+        first = self._last_choice_at == -math.inf
+        if first and window.strategy == "allreduce" and strategy == "average":
+            needed = max(1, self.confirm - 2)
+        elif first or obvious:
+            needed = max(1, self.confirm - 1)
+        else:
+            needed = self.confirm
+        if self._seen < needed or (now - self._last_choice_at < self.min_interval_s and not obvious):
+            return None
+        self._candidate, self._seen, self._last_choice_at = None, 0, now
+        if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
+            self.for_link = self.spread is None or self.spread >= STRAGGLER_BELOW  # not for a straggler
+            others = [t for w, t in window.compute_s.items() if w != window.slowest]
+            self.straggler = (window.slowest, statistics.median(others)) if others and not self.for_link else None
+        elif strategy in SYNCHRONOUS:
+            self.straggler, self.for_link = None, False
+        self._recent = []  # a new strategy: measure afresh
+        return Choice(strategy, chosen, _lr_factor(window.strategy, strategy, self.workers), reason)

@@ -1,0 +1,360 @@
+"""Watching a run's workers from the client until the run ends: one thread per run.
+
+It waits for the current group's tasks, notes lost and joined workers, asks for timed checkpoints, and
+when a group ends carries out what `run/regroup.py` decides: go on with the survivors or a larger group from
+the latest checkpoint, or end the run (finished, stopped, failed) and write its summary. A run waiting
+in the cluster's queue is started from here once its workers are free. Losing the scheduler ends the
+run, saying where its last checkpoint is.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any
+
+from distributed.scheduler import KilledWorker
+
+from workbench.cluster.announcements import requests_topic
+from workbench.cluster.membership import Roster
+from workbench.errors import ConfigError, DivergenceError
+from workbench.plane import kinds
+from workbench.plane.metrics import topic
+from workbench.plane.rundir import SUMMARY_FILE
+from workbench.run import regroup
+from workbench.run.launcher import FutureWatch, LaunchOptions, check_batch_fits, launch, present_workers
+from workbench.strategies import get_strategy, make_settings
+
+SUPERVISION_TICK_S = 0.25  # how often the supervisor looks at membership, checkpoints due and joins
+SCHEDULER_LOST_AFTER_S = 3.0  # cut off from the scheduler this long, the run is over (its state is gone)
+
+
+class SchedulerLost(Exception):
+    """The client lost its scheduler while supervising the run."""
+
+
+class Supervisor:
+    """Starts groups of workers for `run` and watches them; `thread` runs `supervise`."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.roster = Roster()
+        self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
+        self.thread: threading.Thread | None = None
+        self._disconnected_since: float | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.supervise, name=f"workbench-{self.run.run_id}", daemon=True)
+        self.thread.start()
+
+    # --- groups ---------------------------------------------------------------------------------------
+
+    def start_group(self, addresses: list[str], checkpoint: dict[str, Any] | None) -> None:
+        """Start the next group of workers (a generation) from `checkpoint`, or the job's initial weights."""
+        run = self.run
+        generation = run.generation + 1
+        state = run.control.state
+        options = LaunchOptions(run.run_id, run.collective_timeout_s, run.checkpoint_every_steps, run.step_delays)
+        run.feed.new_generation(generation)
+        group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
+        run.group = group
+        run.checkpoints.restart_timer()
+        run.feed.publish({"kind": kinds.GENERATION_STARTED, "time": time.time(), "generation": generation,
+                          "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
+                          "start_step": group.start_step, "total_steps": group.total_steps})
+        if checkpoint is not None and checkpoint.get("strategy") not in (None, state.strategy):
+            # A switch asked for while the old group broke up is made as the new group starts: recorded
+            # as rank 0's, as a switch made by the workers is, so that every view marks it.
+            run.feed.publish({"kind": kinds.SWITCHED, "rank": 0, "time": time.time(), "step": group.start_step,
+                              "from": checkpoint["strategy"], "to": state.strategy, "settings": state.settings,
+                              "generation": generation, "at_regroup": True})
+
+    def supervise(self) -> None:
+        run = self.run
+        try:
+            if run.status == "queued" and not self._start_when_workers_are_free():
+                return
+            following = self._watch_group()
+            while following is not None:
+                self.start_group(*following)
+                following = self._watch_group()
+        except BaseException as error:  # never leave the run looking alive when supervision itself broke
+            if run.directory is None:  # it never started: nothing was written
+                run.error = f"starting the run failed: {type(error).__name__}: {error}"
+                run.lifecycle.move("failed")
+                run.announce(kinds.RUN_STATUS, error=run.error)
+            elif self._scheduler_lost(error):
+                run.error = self._scheduler_lost_message()
+            else:
+                run.error = f"supervising the run failed: {type(error).__name__}: {error}"
+                self.end_group()
+            try:
+                self._end_run("failed")
+            except Exception:
+                run.lifecycle.move("failed")
+            # Said through the run's error (wait(), the panel, the CLI); re-raised only if not an Exception,
+            # so that no thread traceback is printed beside it.
+            if not isinstance(error, Exception):
+                raise
+        finally:
+            run.remote_control.close()  # ends the thread serving other clients' control requests
+            run.checkpoints.close()  # and the one writing checkpoints
+            if run.stop_watching is not None:
+                run.stop_watching()
+            # However the run ended, its workers are free for the next run (before wait() returns).
+            if getattr(run.client, "status", None) == "running":
+                run.placement.give_back()
+            run.ended.set()
+
+    def _start_when_workers_are_free(self) -> bool:
+        """Wait in the queue, then start; False when the run ended there (stopped, or its place lost)."""
+        run = self.run
+        addresses = run.placement.wait(lambda: run.stop_requested)
+        if addresses is None:
+            stopped = run.stop_requested
+            if not stopped:
+                run.error = "the run lost its place in the queue (its client's connection to the scheduler ended)"
+            run.lifecycle.move("stopped" if stopped else "failed")
+            run.announce(kinds.RUN_STATUS, error=run.error)
+            return False
+        run.begin(addresses)
+        if run.stop_requested:  # stopped while it was being started
+            run.control.update(stop=True)
+        return True
+
+    def _watch_group(self) -> tuple[list[str], dict[str, Any] | None] | None:
+        """Wait for the current group of workers; returns the workers and checkpoint to go on with, or
+        None once the run has ended (its status set)."""
+        run = self.run
+        futures, addresses = run.group.futures, list(run.group.addresses)
+        watch = FutureWatch(futures)
+        while not watch.wait(until_first_error=True, timeout=SUPERVISION_TICK_S):
+            self._check_scheduler()
+            self._take_membership_changes()
+            if self.roster.lost & set(addresses):
+                break
+            run.feed.publish_warnings()
+            if run.status == "running" and self.regroup_to is None and run.checkpoints.due():
+                run.control.update(checkpoint_id=run.control.state.checkpoint_id + 1)
+            if run.auto_pilot is not None and self.regroup_to is None:
+                run.auto_pilot.tick(run, time.monotonic())
+            if run.auto_join and self.roster.joined and self.regroup_to is None and run.status == "running":
+                self.add_workers(list(self.roster.joined), automatic=True)
+        if any(f.status == "error" for f in futures) or self.roster.lost & set(addresses):
+            return self._after_failure(futures, addresses)
+        results = [f.result() for f in futures]
+        run.feed.wait_for_ranks(len(futures), timeout=5)
+        final = results[0].get("checkpoint")
+        if final is not None:
+            run.checkpoints.store(final)
+        verdict = regroup.after_success(any(r["stopped"] for r in results), self.regroup_to, run.stop_requested)
+        if verdict.action == "regroup":
+            self.regroup_to = None
+            run.control.update(stop=False, regroup=False)
+            run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
+                              "workers": list(verdict.workers), "reason": "workers joined", "from_step": final["step"]})
+            return list(verdict.workers), final
+        run.final_weights = results[0]["state_dict"]
+        self._end_run("stopped" if verdict.action == "stop" else "finished")
+        return None
+
+    def _after_failure(self, futures: list[Any], addresses: list[str]) -> tuple[list[str], dict[str, Any]] | None:
+        """A worker failed or was lost: end the group; go on with the survivors if workers were lost."""
+        run = self.run
+        self.end_group()
+        # Workers leave at their next step or as their peers' connections close; one still busy after a
+        # whole timeout more is stuck (in user code, say) and counts as lost.
+        self._wait_for_survivors(futures, addresses)
+        present = set(present_workers(run.client))
+        tasks = [regroup.TaskEnd(address, future.done(), future.status == "error"
+                                 and isinstance(future.exception(), KilledWorker))
+                 for future, address in zip(futures, addresses)]
+        for address, reason in regroup.newly_lost(tasks, self.roster.lost, present, run.collective_timeout_s).items():
+            self._record_lost(address, time.time(), reason)
+        unfinished = [f for f in futures if not f.done()]
+        if unfinished:  # the lost workers' tasks (a nanny's restarted worker would wait for them), the stuck
+            run.client.cancel(unfinished, force=True)
+        lost = self.roster.lost & set(addresses)
+        verdict = regroup.after_failure(addresses, lost, present, run.stop_requested, run.min_workers)
+        if verdict.action == "fail":
+            self._fail(futures, addresses)
+            return None
+        # A lost worker (back under the same address it is a new one) and a join under way are given
+        # back (below, once the regroup is announced; when the run ends here, all are): the survivors go
+        # on (add workers again).
+        released = sorted(lost | set(self.regroup_to or []) - set(addresses))
+        self.regroup_to = None
+        checkpoint = run.checkpoints.latest
+        from_step = checkpoint["step"] if checkpoint else 0
+        info = run.checkpoints.info
+        where = f"the last checkpoint (step {from_step}) is kept at {info['path']}" if info else \
+            "no checkpoint was written yet"
+        if verdict.action == "stop":  # stopped while the loss was being handled: keep the last checkpoint
+            run.final_weights = checkpoint["weights"] if checkpoint else None
+            self._end_run("stopped")
+            return None
+        if verdict.action == "too-few":
+            run.error = (f"lost worker(s) {', '.join(verdict.lost)}; {len(verdict.workers)} left, fewer than "
+                         f"min_workers={run.min_workers}, so the run stopped; {where}. Resume it with "
+                         f"workbench.resume({str(run.directory.path)!r}) once workers are back")
+            self._end_run("failed")
+            return None
+        run.control.update(stop=False, regroup=False)
+        run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
+                          "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
+                          "reason": "workers lost"})
+        run.placement.give_back(released)  # a scheduler round trip: after the announcement, not before
+        return list(verdict.workers), checkpoint
+
+    def _wait_for_survivors(self, futures: list[Any], addresses: list[str]) -> None:
+        """Wait until every worker not known lost has left (at most one collective timeout).
+
+        Not for the lost ones: their tasks may never end (a `dask worker` nanny restarts the process under
+        a new address, and the scheduler keeps the task for the old one), and waiting for them held every
+        regroup back by the whole timeout.
+        """
+        deadline = time.monotonic() + self.run.collective_timeout_s
+        while True:
+            self._take_membership_changes()
+            waiting = [f for f, a in zip(futures, addresses) if a not in self.roster.lost and not f.done()]
+            if not waiting or time.monotonic() >= deadline:
+                return
+            FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, deadline - time.monotonic())))
+
+    def end_group(self) -> None:
+        """Tell every worker of the current group to leave at once (no final synchronisation)."""
+        try:
+            self.run.control.update(generation=self.run.generation + 1)
+        except Exception:  # the scheduler may be gone; the workers then leave as their tasks are released
+            pass
+
+    def _fail(self, futures: list[Any], addresses: list[str]) -> None:
+        run = self.run
+        errors, diverged = [], None
+        for rank, future in enumerate(futures):
+            if future.status != "error":
+                continue
+            exception, tb = future.exception(), future.traceback()
+            if isinstance(exception, DivergenceError) and diverged is None:
+                diverged = str(exception)
+            errors.append(regroup.WorkerError(rank, addresses[rank], type(exception).__name__, str(exception),
+                                              "".join(traceback.format_tb(tb)) if tb else ""))
+        if diverged is not None:
+            run.diverged = True
+            info = run.checkpoints.info
+            kept = (f" The last good checkpoint (step {info['step']}) is kept at {info['path']}." if info
+                    else " No checkpoint was written before.")
+            run.error = diverged + kept
+        else:
+            run.error = regroup.failure_text(errors)
+        self._end_run("failed")
+
+    def _end_run(self, status: str) -> None:
+        run = self.run
+        # Without a scheduler every call to it would wait out Dask's connect timeout: only the files then.
+        connected = getattr(run.client, "status", "running") == "running"
+        if connected:
+            run.feed.wait_for_ranks(len(run.group.futures) if run.group else 0, timeout=2)
+            for name in (topic(run.run_id), requests_topic(run.run_id)):
+                try:
+                    run.client.unsubscribe_topic(name)
+                except Exception:
+                    pass
+            run.feed.publish_leftover_warnings()
+            run.control.delete()
+        run.lifecycle.move(status)
+        if status != "failed" and run.final_weights is not None:
+            run.directory.save_model(run.final_weights)
+        run.directory.append([{"kind": kinds.RUN_ENDED_AS[run.status], "time": time.time(), "error": run.error}])
+        summary = run.summary()
+        run.directory.write_json(SUMMARY_FILE, summary)
+        run.directory.close()
+        if run.exports is not None:
+            run.exports.close(run.status)
+        if connected:
+            run.announce(kinds.RUN_STATUS, samples_per_s=summary.get("samples_per_s"), error=run.error)
+
+    # --- membership: lost and joining workers ---------------------------------------------------------
+
+    def _take_membership_changes(self) -> None:
+        run = self.run
+        self.roster.take(run.worker_addresses, lambda address, when: self._publish_lost(address, when,
+                                                                                         "the scheduler removed the worker"),
+                         lambda address, when: run.feed.publish({"kind": kinds.WORKER_JOINED, "time": when,
+                                                                 "address": address, "added": run.auto_join}))
+
+    def _record_lost(self, address: str, when: float, reason: str) -> None:
+        self.roster.lost.add(address)
+        self._publish_lost(address, when, reason)
+
+    def _publish_lost(self, address: str, when: float, reason: str) -> None:
+        run = self.run
+        rank = run.worker_addresses.index(address)
+        last = run.table.last_steps().get(rank, {})
+        run.feed.publish({"kind": kinds.WORKER_LOST, "time": when, "rank": rank, "address": address,
+                          "generation": run.generation, "step": last.get("step"), "reason": reason})
+
+    def add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
+        """Ask the group to stop at one step and go on with `addresses` added (default: every free
+        worker); refused (automatic: published as 'join-refused') when they are held or do not fit."""
+        run = self.run
+        present = present_workers(run.client)
+        if addresses is None:  # every free worker (those no other run holds)
+            addresses = run.placement.free_workers()
+        unknown = [a for a in addresses if a not in present]
+        if unknown and automatic:  # joined and left again
+            addresses = [a for a in addresses if a in present]
+        elif unknown:
+            raise ConfigError("addresses", unknown, "addresses of workers in the cluster", f"It has {present}")
+        new = [a for a in addresses if a not in run.worker_addresses]
+        self.roster.joined = [a for a in self.roster.joined if a not in addresses]
+        if not new:
+            return list(run.worker_addresses)
+        added = run.placement.grow(new)  # only workers no other run holds, and none while runs wait
+        try:
+            if len(added) < len(new):
+                held = [a for a in new if a not in added]
+                raise ConfigError("addresses", held, "free workers (no other run holds them)",
+                                  f"Held: {run.placement.held_by_others(held)}")
+            following = list(run.worker_addresses) + new
+            state = run.control.state
+            get_strategy(state.strategy).check_world(make_settings(state.strategy, state.settings), len(following))
+            check_batch_fits(run.prepared, len(following))
+        except ConfigError as error:
+            run.placement.give_back(added)
+            if not automatic:
+                raise
+            run.feed.publish({"kind": kinds.JOIN_REFUSED, "time": time.time(), "workers": new, "reason": str(error)})
+            return list(run.worker_addresses)
+        self.regroup_to = following
+        run.control.update(stop=True, regroup=True)
+        return following
+
+    # --- the scheduler --------------------------------------------------------------------------------
+
+    def _scheduler_lost(self, error: BaseException) -> bool:
+        return isinstance(error, SchedulerLost) or getattr(self.run.client, "status", "running") != "running" \
+            or "scheduler-connection-lost" in str(error)
+
+    def _scheduler_lost_message(self) -> str:
+        run = self.run
+        directory, info = str(run.directory.path), run.checkpoints.info
+        kept = (f"its last checkpoint (step {info['step']} of {run.total_steps}) is kept in {directory}"
+                if info else f"no checkpoint was written yet, so nothing can be resumed from {directory}")
+        message = f"lost the connection to the Dask scheduler at {run.config['scheduler']}: the run ended; {kept}."
+        if info:
+            message += (f" Once a scheduler and workers are up again, go on with workbench.resume({directory!r}, "
+                        f"client=workbench.connect(scheduler=...)) or: workbench train --resume {directory} "
+                        "--scheduler ADDRESS")
+        return message
+
+    def _check_scheduler(self) -> None:
+        """Raise `SchedulerLost` once the client has been cut off from the scheduler for a while: the
+        run's tasks, control state and actors went with it, and Dask alone would wait 30 s to say so."""
+        if getattr(self.run.client, "status", "running") == "running":
+            self._disconnected_since = None
+            return
+        if self._disconnected_since is None:
+            self._disconnected_since = time.monotonic()
+        elif time.monotonic() - self._disconnected_since >= SCHEDULER_LOST_AFTER_S:
+            raise SchedulerLost(self.run.client.status)

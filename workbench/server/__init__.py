@@ -1,0 +1,1 @@
+"""The parameter server: the shard actors, their pure version book, compression and replies."""
