@@ -290,7 +290,7 @@ def draw(result_path: Path, picture: Path) -> None:
 
     result = json.loads(result_path.read_text())
     settings = result["settings"]
-    title = (f"{settings['model']} (context {settings['context']}) on stdlib-text, 2 worker hosts, "
+    title = (f"{settings['model']} (context {settings['context']}) on stdlib-text, 2 worker hosts\n"
              f"{settings['budget']} (commit {result['commit'][:7]}, {result['date'][:10]})")
     held_out_figure(result, title=title).save(picture)
     print(f"drew {picture}")

@@ -130,7 +130,7 @@ def held_out_figure(result: dict[str, Any], against: str = "seconds", title: str
         axes.set(title=condition, xlabel="seconds since the first step" if against == "seconds" else "samples seen",
                  ylabel="held-out loss (nats per byte)")
     handles, labels = panels[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside right upper", fontsize=8)  # beside the panels, over no curve
+    figure.legend(handles, labels, loc="outside right center", fontsize=8)  # beside the panels, over no curve
     if title:
         figure.suptitle(title)
     return StaticFigure(figure)
