@@ -22,12 +22,13 @@ end points. Computed in code:
   against the best fixed configuration's in the same condition (target <= 1.15).
 Where a run never reaches the target its time is None, and a ratio over it is None (said, not guessed).
 
-`--quick` (about 10 minutes on the 2-core VM): DDP, `average` p64 with the outer step, `async` p4 and
-`auto`, at 100 Mbit/s only; its target is DDP's own loss at the end of its budget there.
+`--quick` (about 7 minutes on the 2-core VM): DDP, the best averaging configurations of the whole grid at
+100 Mbit/s (`average` p16, `easgd` p16), `async` p4 and `auto`, at 100 Mbit/s only; its target is DDP's own loss
+at the end of its budget there.
 The whole grid: every configuration under every condition with one seed, then at 100 Mbit/s `--seeds`
 seeds in all for DDP, `average` p64 outer, the best fixed configuration there (by time to the target,
-else by final loss) and `auto`: about 90 minutes at 256 steps on the 2-core VM (the 20 Mbit/s runs of
-DDP and `allreduce` take 6-7 minutes each); run it where nothing else runs.
+else by final loss) and `auto`: 82 minutes at 256 steps on the 2-core VM (the 20 Mbit/s runs of
+DDP and `allreduce` take about 8 minutes each); run it where nothing else runs.
 
     python benchmarks/fidelity.py [--quick] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
                                   [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
@@ -75,7 +76,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("async topk1% p4", "async", {"push_every": 4, "compression": "topk", "topk_ratio": 0.01}),
     ("auto", "auto", {}),
 ]
-QUICK = ("average p64 outer", "async p4", "auto")
+QUICK = ("average p16", "easgd p16", "async p4", "auto")  # the grid's best averaging ones at 100 Mbit/s, and two to judge
 SEEDED = ("ddp", "average p64 outer", "auto")  # and the best at 100 Mbit/s: --seeds seeds each there
 
 

@@ -61,7 +61,7 @@ def test_the_headline_keys_come_from_the_cells():
     assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx(max(unlimited, 15 / (10 + 10 * 2 / 3)))
 
 
-def test_quick_judges_against_ddp_at_100mbit_and_plans_four_runs():
+def test_quick_judges_against_ddp_at_100mbit_and_plans_five_runs():
     cells = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("auto", "100mbit", [(10, 2.3), (30, 2.0)]),
              cell("average p64 outer", "100mbit", [(10, 2.3), (20, 2.0)])]
     result = fidelity.headline(cells, quick=True)
@@ -70,7 +70,8 @@ def test_quick_judges_against_ddp_at_100mbit_and_plans_four_runs():
     assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx((10 + 20 * 2 / 3) / (10 + 10 * 2 / 3))
     arguments = argparse.Namespace(quick=True, conditions="", only=None, seeds=3)
     assert [(c[0], c[1]) for c in fidelity.plan(arguments)] == [
-        ("100mbit", "ddp"), ("100mbit", "average p64 outer"), ("100mbit", "async p4"), ("100mbit", "auto")]
+        ("100mbit", "ddp"), ("100mbit", "average p16"), ("100mbit", "async p4"), ("100mbit", "easgd p16"),
+        ("100mbit", "auto")]
     arguments = argparse.Namespace(quick=False, conditions="100mbit,unlimited", only=None, seeds=3)
     grid = fidelity.plan(arguments)
     assert {seed for *_, seed in grid} == {0} and len(grid) == 2 * (1 + len(fidelity.CONFIGS))
