@@ -360,7 +360,9 @@ def test_an_interrupted_wait_stops_the_run_and_leaves_nothing_behind(tmp_path):
     script.write_text(INTERRUPTED)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170,
                             env={**os.environ, "RUN_DIR": str(tmp_path)})
-    assert result.stdout.strip(), f"the script printed nothing (exit {result.returncode}): {result.stderr[-3000:]}"
+    # What went wrong first is at the head of stderr, what it led to at its tail.
+    assert result.stdout.strip(), (f"the script printed nothing (exit {result.returncode}): "
+                                   f"{result.stderr[:4000]}\n...\n{result.stderr[-2000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"outcome": "interrupted", "status": "stopped", "process_groups": [False, False],
                       "processing": 0, "checkpoint": True}, result.stderr[-3000:]

@@ -3,6 +3,7 @@ from the CLI, on a slice of the corpus and the test-size model, seconds each (th
 schedule, evaluation and the checks on bad input, without a cluster: tests/unit/test_text_workload.py)."""
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -14,7 +15,9 @@ import torch
 
 import workbench
 from workbench import text
+from workbench.cli import main as cli
 from workbench.schedule import lr_factor
+from workbench.strategies import STRATEGIES
 
 from helpers import TEXT_SLICE as SLICE, text_job
 
@@ -89,6 +92,24 @@ def test_the_cli_trains_the_gpt_on_the_text_and_reports_bits_per_character(tmp_p
     loss = float(re.search(r"held-out loss: ([0-9.]+)", out.stdout).group(1))
     assert bits == pytest.approx(loss / math.log(2), abs=1e-3) and bits < 7.0
     assert re.search(r"held-out next-token accuracy: 0\.[0-9]+", out.stdout)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES) + ["auto"])
+def test_every_strategy_trains_the_gpt_from_the_cli_with_its_own_defaults(strategy, client, tmp_path, capsys):
+    # Only the strategy named: the optimizer (AdamW), learning rate, schedule and warm-up follow the job
+    # (a language model), each strategy's settings its own defaults. Against the session's cluster.
+    code = cli.main(["train", "--dataset", "stdlib-text", "--model", "gpt-test", "--context", "32", "--steps", "40",
+                     "--strategy", strategy, "--workers", "2", "--scheduler", client.scheduler.address,
+                     "--no-progress", "--run-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    bits = float(re.search(r"held-out bits per character: ([0-9.]+)", out).group(1))
+    assert bits < 6.5, out  # from 8 (a uniform guess over 256 bytes) in 40 steps of 32 windows a worker
+    assert "warning" not in out + err
+    config = json.loads(next(tmp_path.glob("*/config.json")).read_text())
+    assert config["job"]["optimizer"] == "adamw" and config["job"]["lr_schedule"] == "cosine"
 
 
 def test_the_cli_refuses_a_context_longer_than_the_models_positions(tmp_path):

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from workbench.cli import main as cli
 
 
-def test_an_interrupt_swallowed_during_start_up_still_ends_the_command_as_interrupted(monkeypatch, capsys):
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C as an interactive shell gives it (a suite run in the background inherits it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_swallowed_during_start_up_still_ends_the_command_as_interrupted(ctrl_c, monkeypatch, capsys):
     def start_up_that_swallows(arguments):
         try:
             signal.raise_signal(signal.SIGINT)  # what a finalizer running at that moment would swallow
@@ -19,6 +29,17 @@ def test_an_interrupt_swallowed_during_start_up_still_ends_the_command_as_interr
     assert cli.main(["train", "--no-progress"]) == 130
     assert "workbench: interrupted" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_an_ignored_ctrl_c_stays_ignored(monkeypatch):
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        seen = []
+        monkeypatch.setattr(cli, "_train", lambda arguments: seen.append(signal.getsignal(signal.SIGINT)) or 0)
+        assert cli.main(["train", "--no-progress"]) == 0
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_command_that_was_not_interrupted_keeps_its_status(monkeypatch):

@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     # command as interrupted at its next check, instead of training on and exiting 0 (seen in the suite).
     in_main_thread = threading.current_thread() is threading.main_thread()
     _INTERRUPTED.clear()
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
+    # An ignored SIGINT stays ignored (a command started in the background of a shell).
+    handled = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    previous = {s: signal.signal(s, _interrupt) for s in handled} if in_main_thread else {}
     try:
         status = _train(arguments)
         _raise_if_interrupted()
