@@ -358,8 +358,11 @@ INTERRUPTED = textwrap.dedent("""
 def test_an_interrupted_wait_stops_the_run_and_leaves_nothing_behind(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
+    # The script's Ctrl-C must reach it: a suite run in a shell's background starts with SIGINT ignored, and
+    # a Python started so keeps it ignored (run.wait then ran into its timeout and the script printed nothing).
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170,
-                            env={**os.environ, "RUN_DIR": str(tmp_path)})
+                            env={**os.environ, "RUN_DIR": str(tmp_path)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # What went wrong first is at the head of stderr, what it led to at its tail.
     assert result.stdout.strip(), (f"the script printed nothing (exit {result.returncode}): "
                                    f"{result.stderr[:4000]}\n...\n{result.stderr[-2000:]}")
