@@ -158,3 +158,11 @@ def mark_tier(items, folder, marker):
     for item in items:
         if item.path.resolve().is_relative_to(folder):
             item.add_marker(marker)
+
+
+def ctrl_c_at_default() -> None:
+    """A child's `preexec_fn`: Ctrl-C reaches it as a terminal delivers it, whatever this process inherited
+    (a suite run in a shell's background starts with SIGINT ignored, and a Python started so keeps it)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

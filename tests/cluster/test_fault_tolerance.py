@@ -18,7 +18,7 @@ from workbench.run.launcher import present_workers
 from workbench.plane import checkpoint_format as checkpoints
 from workbench.plane.rundir import read_metrics
 
-from helpers import digits_job, wait_until
+from helpers import ctrl_c_at_default, digits_job, wait_until
 
 TIMEOUT_S = 10.0  # the runs' collective timeout: nothing may wait on a lost worker longer
 
@@ -358,11 +358,10 @@ INTERRUPTED = textwrap.dedent("""
 def test_an_interrupted_wait_stops_the_run_and_leaves_nothing_behind(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
-    # The script's Ctrl-C must reach it: a suite run in a shell's background starts with SIGINT ignored, and
-    # a Python started so keeps it ignored (run.wait then ran into its timeout and the script printed nothing).
+    # The script's Ctrl-C must reach it (ignored, run.wait ran into its timeout and the script printed nothing).
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170,
                             env={**os.environ, "RUN_DIR": str(tmp_path)},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=ctrl_c_at_default)
     # What went wrong first is at the head of stderr, what it led to at its tail.
     assert result.stdout.strip(), (f"the script printed nothing (exit {result.returncode}): "
                                    f"{result.stderr[:4000]}\n...\n{result.stderr[-2000:]}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import wait_until
+from helpers import ctrl_c_at_default, wait_until
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 
@@ -28,11 +28,9 @@ def test_the_cli_refuses_too_many_workers_in_one_line(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.timeout(120)
 def test_an_interrupted_start_up_leaves_no_process_behind(signum, tmp_path):
-    # Ctrl-C as a terminal delivers it, whatever this process inherited (a suite run in a shell's background
-    # starts with SIGINT ignored, and the command keeps an ignored SIGINT ignored).
     command = subprocess.Popen([WORKBENCH, "train", "--workers", "6", "--oversubscribe", "--no-progress",
                                 "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=ctrl_c_at_default)
     seen: set[psutil.Process] = set()
 
     def workers_starting() -> bool:  # interrupted while the cluster's processes are being spawned

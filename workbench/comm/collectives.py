@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -224,7 +225,7 @@ def meet(point: int, give_up: Callable[[], bool]) -> bool:
         while not store.check(keys):
             if give_up():
                 return False
-            threading.Event().wait(MEET_POLL_S)
+            time.sleep(MEET_POLL_S)
     except Exception:
         if give_up():  # the group was broken under the wait because the client ended it
             return False
