@@ -96,3 +96,51 @@ def test_fingerprint_is_linear_so_an_average_is_recognisable():
     mean = [(a + b) / 2 for a, b in zip(fingerprint(first), fingerprint(second))]
     assert fingerprint((first.double() + second.double()) / 2) == pytest.approx(mean, rel=1e-9, abs=1e-9)
     assert fingerprint(first) != fingerprint(second)
+
+
+# --- how the ranks agree: lockstep or each on its own (worker/agreement.py) ----------------------------
+
+def _two_ranks(work):
+    """`work(rank, transport)` on two ranks of an in-memory group (threads), their results by rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workbench.testing import ThreadGroup, ThreadTransport
+    group = ThreadGroup(2, timeout_s=10)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(work, rank, ThreadTransport(group, rank, None)) for rank in range(2)]
+        return [future.result(timeout=20) for future in futures]
+
+
+def test_lockstep_ranks_take_rank_zeros_control_state_and_interval_and_independent_ranks_their_own():
+    from workbench.plane.control import ControlState
+    from workbench.worker.agreement import Independent, Lockstep
+
+    def agree(policy):
+        def work(rank, comm):
+            own = ControlState(lr=0.1 * (rank + 1), strategy="allreduce", settings={})
+            state, interval = policy.agree(comm, rank, own, lambda: 7 + rank)
+            return state.lr, interval
+        return work
+
+    assert _two_ranks(agree(Lockstep())) == [(0.1, 7), (0.1, 7)]
+    assert _two_ranks(agree(Independent())) == [(0.1, 1), (0.2, 1)]
+
+
+def test_the_policy_follows_the_strategy_and_meeting_points_are_never_reused_across_switches():
+    from workbench.strategies import get_strategy, make_settings
+    from workbench.worker.agreement import Agreements
+
+    def work(rank, comm):
+        agreements = Agreements()
+        points = []
+        for name in ("async", "allreduce", "ssp"):  # async -> allreduce -> ssp, as switches would go
+            policy = agreements.for_strategy(get_strategy(name)(make_settings(name, {})))
+            assert policy.meet(comm, lambda: False)
+            points.append((type(policy).__name__, getattr(policy, "meetings", None),
+                           policy.checkpoints_together, policy.periodic_checkpoint(rank)))
+        return points
+
+    rank0, rank1 = _two_ranks(work)
+    assert [p[:3] for p in rank0] == [("Independent", 1, False), ("Lockstep", None, True), ("Independent", 2, False)]
+    assert [p[3] for p in rank0] == [True, True, True]
+    assert [p[3] for p in rank1] == [False, True, False]  # alone from the server: rank 0 only

@@ -78,14 +78,20 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
     that could not be reached, instead of one rank waiting out the whole timeout.
     """
     # Leases keep runs apart, but a worker is given back when its run's client is gone, while the
-    # worker's task is still leaving (at its next step): wait for it rather than fail the new run.
+    # worker's task is still leaving (at its next step), or still forming its group: wait for it rather
+    # than fail the new run. The process's one group is claimed before forming it, not when formed: a
+    # task that found no group and went on while the old one finished forming its own failed with
+    # "trying to initialize the default process group twice" (seen once, a client SIGKILLed just after
+    # its run started).
+    global _claimed
     with _group_ended:
-        if not _group_ended.wait_for(lambda: not dist.is_initialized(), timeout=timeout_s):
+        if not _group_ended.wait_for(lambda: not _claimed and not dist.is_initialized(), timeout=timeout_s):
             raise TrainingError(
                 f"this worker process still belongs to another torch.distributed process group after "
                 f"{timeout_s:g} s: another run is training on it. Wait for that run to end or start this "
                 f"one on other workers."
             )
+        _claimed = True
     timeout = datetime.timedelta(seconds=timeout_s)
     bound = bind_to_interface_of(own_host)
     before = _tcp_sockets()
@@ -111,6 +117,7 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
         # keys no other rank writes (`DistStoreError`). Put it back, as a successful destroy would.
         if not dist.is_initialized():
             dist.distributed_c10d._world.group_count = 0
+            _release_claim()
         raise
     finally:
         for variable in bound:
@@ -240,11 +247,19 @@ def destroy_process_group() -> None:
         _group_sockets.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _release_claim()
+
+
+def _release_claim() -> None:
+    """This process belongs to no group and forms none: the next run's task may form its own."""
+    global _claimed
     with _group_ended:
+        _claimed = False
         _group_ended.notify_all()
 
 
 _group_ended = threading.Condition()  # notified when this process leaves its process group
+_claimed = False  # a task of this process is forming or holds the process group (`init_process_group`)
 _store: Any = None  # the process group's store while this process belongs to one (`meet`)
 
 

@@ -183,12 +183,8 @@ class Run(RunViews):
         self.checkpoints = CheckpointStore(resume_from, checkpoint_every_s)
         self.remote_control = RequestServer(self)
         self.supervisor = Supervisor(self)
-        self.error: str | None = None
-        self.diverged = False
-        self.group: Group | None = None  # the workers training now
         # Groups are counted on from a resumed run's (after a loss or a join the workers regroup).
         self._generation_before = resume_from.get("generation", 0) if resume_from else -1
-        self.final_weights: dict[str, torch.Tensor] | None = None
         self.ended = threading.Event()  # set once the run has ended and everything is written
         self.directory: RunDirectory | None = None
         self.config: dict[str, Any] = {}
@@ -210,6 +206,24 @@ class Run(RunViews):
     @property
     def done(self) -> bool:
         return self.lifecycle.ended
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed, or None."""
+        return self.lifecycle.error
+
+    @property
+    def diverged(self) -> bool:
+        return self.lifecycle.diverged
+
+    @property
+    def final_weights(self) -> dict[str, torch.Tensor] | None:
+        return self.lifecycle.final_weights
+
+    @property
+    def group(self) -> Group | None:
+        """The workers training now (the supervisor starts and watches each group)."""
+        return self.supervisor.group
 
     @property
     def generation(self) -> int:

@@ -1,13 +1,16 @@
-"""A run's status, with one owner: which status may follow which, decided in one place under one lock.
+"""A run's status and how it ended, with one owner: which status may follow which, decided in one place
+under one lock; the error and the final weights set through two narrow calls.
 
 The kernel (pause, resume, stop), the supervisor thread (started, ended) and the thread serving other
 clients' requests all change a run's status. Each asks `Lifecycle.move`; a run that has ended stays
 ended (a pause arriving as the run finishes must not leave it looking paused), and a move the table
-does not allow is a bug of ours, said at once.
+does not allow is a bug of ours, said at once. The supervisor says why a run failed (`fail_with`) and
+what it ended with (`keep_final_weights`); everyone else reads them.
 """
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 FINISHED_STATES = ("finished", "stopped", "failed")
 
@@ -26,15 +29,40 @@ def allowed(current: str, wanted: str) -> bool:
 
 
 class Lifecycle:
-    """The status of one run; `move` is the only way to change it."""
+    """The status of one run (`move` is the only way to change it), its error and its final weights."""
 
     def __init__(self) -> None:
         self._status = "created"
         self._lock = threading.Lock()
+        self._error: str | None = None
+        self._diverged = False
+        self._final_weights: dict[str, Any] | None = None
 
     @property
     def status(self) -> str:
         return self._status
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed (or is failing: set before the status moves to 'failed'), for a person."""
+        return self._error
+
+    @property
+    def diverged(self) -> bool:
+        """Whether it failed because the weights or the loss became NaN or infinite."""
+        return self._diverged
+
+    @property
+    def final_weights(self) -> dict[str, Any] | None:
+        """The weights the run ended with (finished or stopped), or None."""
+        return self._final_weights
+
+    def fail_with(self, error: str, diverged: bool = False) -> None:
+        """Say why the run fails; its status moves once everything is written."""
+        self._error, self._diverged = error, self._diverged or diverged
+
+    def keep_final_weights(self, weights: dict[str, Any] | None) -> None:
+        self._final_weights = weights
 
     @property
     def ended(self) -> bool:

@@ -5,13 +5,16 @@ when a group ends carries out what `run/regroup.py` decides: go on with the surv
 the latest checkpoint, or end the run (finished, stopped, failed) and write its summary. A run waiting
 in the cluster's queue is started from here once its workers are free. Losing the scheduler ends the
 run, saying where its last checkpoint is.
+
+The supervisor owns the group training now (`group`); it reads the run's settings and parts and changes
+the run's record only through its lifecycle (status, `fail_with`, `keep_final_weights`).
 """
 from __future__ import annotations
 
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed.scheduler import KilledWorker
 
@@ -22,8 +25,11 @@ from workbench.plane import kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
 from workbench.run import regroup
-from workbench.run.launcher import FutureWatch, LaunchOptions, check_batch_fits, launch, present_workers
+from workbench.run.launcher import FutureWatch, Group, LaunchOptions, check_batch_fits, launch, present_workers
 from workbench.strategies import get_strategy, make_settings
+
+if TYPE_CHECKING:  # the handle imports this module: the type alone, no import cycle at run time
+    from workbench.run.handle import Run
 
 SUPERVISION_TICK_S = 0.25  # how often the supervisor looks at membership, checkpoints due and joins
 SCHEDULER_LOST_AFTER_S = 3.0  # cut off from the scheduler this long, the run is over (its state is gone)
@@ -36,8 +42,9 @@ class SchedulerLost(Exception):
 class Supervisor:
     """Starts groups of workers for `run` and watches them; `thread` runs `supervise`."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
+        self.group: Group | None = None  # the workers training now; set here only (`start_group`)
         self.roster = Roster()
         self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
         self.thread: threading.Thread | None = None
@@ -57,7 +64,7 @@ class Supervisor:
         options = LaunchOptions(run.run_id, run.collective_timeout_s, run.checkpoint_every_steps, run.step_delays)
         run.feed.new_generation(generation)
         group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
-        run.group = group
+        self.group = group
         run.checkpoints.restart_timer()
         run.feed.publish({"kind": kinds.GENERATION_STARTED, "time": time.time(), "generation": generation,
                           "workers": addresses, "from_step": checkpoint["step"] if checkpoint else 0,
@@ -80,13 +87,13 @@ class Supervisor:
                 following = self._watch_group()
         except BaseException as error:  # never leave the run looking alive when supervision itself broke
             if run.directory is None:  # it never started: nothing was written
-                run.error = f"starting the run failed: {type(error).__name__}: {error}"
+                run.lifecycle.fail_with(f"starting the run failed: {type(error).__name__}: {error}")
                 run.lifecycle.move("failed")
                 run.announce(kinds.RUN_STATUS, error=run.error)
             elif self._scheduler_lost(error):
-                run.error = self._scheduler_lost_message()
+                run.lifecycle.fail_with(self._scheduler_lost_message())
             else:
-                run.error = f"supervising the run failed: {type(error).__name__}: {error}"
+                run.lifecycle.fail_with(f"supervising the run failed: {type(error).__name__}: {error}")
                 self.end_group()
             try:
                 self._end_run("failed")
@@ -113,7 +120,8 @@ class Supervisor:
         if addresses is None:
             stopped = run.stop_requested
             if not stopped:
-                run.error = "the run lost its place in the queue (its client's connection to the scheduler ended)"
+                run.lifecycle.fail_with("the run lost its place in the queue (its client's connection to the scheduler "
+                                        "ended)")
             run.lifecycle.move("stopped" if stopped else "failed")
             run.announce(kinds.RUN_STATUS, error=run.error)
             return False
@@ -154,7 +162,7 @@ class Supervisor:
             run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                               "workers": list(verdict.workers), "reason": "workers joined", "from_step": final["step"]})
             return list(verdict.workers), final
-        run.final_weights = results[0]["state_dict"]
+        run.lifecycle.keep_final_weights(results[0]["state_dict"])
         self._end_run("stopped" if verdict.action == "stop" else "finished")
         return None
 
@@ -190,13 +198,13 @@ class Supervisor:
         where = f"the last checkpoint (step {from_step}) is kept at {info['path']}" if info else \
             "no checkpoint was written yet"
         if verdict.action == "stop":  # stopped while the loss was being handled: keep the last checkpoint
-            run.final_weights = checkpoint["weights"] if checkpoint else None
+            run.lifecycle.keep_final_weights(checkpoint["weights"] if checkpoint else None)
             self._end_run("stopped")
             return None
         if verdict.action == "too-few":
-            run.error = (f"lost worker(s) {', '.join(verdict.lost)}; {len(verdict.workers)} left, fewer than "
-                         f"min_workers={run.min_workers}, so the run stopped; {where}. Resume it with "
-                         f"workbench.resume({str(run.directory.path)!r}) once workers are back")
+            run.lifecycle.fail_with(f"lost worker(s) {', '.join(verdict.lost)}; {len(verdict.workers)} left, fewer "
+                                    f"than min_workers={run.min_workers}, so the run stopped; {where}. Resume it "
+                                    f"with workbench.resume({str(run.directory.path)!r}) once workers are back")
             self._end_run("failed")
             return None
         run.control.update(stop=False, regroup=False)
@@ -240,13 +248,12 @@ class Supervisor:
             errors.append(regroup.WorkerError(rank, addresses[rank], type(exception).__name__, str(exception),
                                               "".join(traceback.format_tb(tb)) if tb else ""))
         if diverged is not None:
-            run.diverged = True
             info = run.checkpoints.info
             kept = (f" The last good checkpoint (step {info['step']}) is kept at {info['path']}." if info
                     else " No checkpoint was written before.")
-            run.error = diverged + kept
+            run.lifecycle.fail_with(diverged + kept, diverged=True)
         else:
-            run.error = regroup.failure_text(errors)
+            run.lifecycle.fail_with(regroup.failure_text(errors))
         self._end_run("failed")
 
     def _end_run(self, status: str) -> None:

@@ -41,7 +41,7 @@ class LoopCheckpoints:
         if agreed is not None and loop.step >= agreed_at:
             return True
         every = task.checkpoint_every_steps
-        return bool(every and (loop.strategy.traits.uses_process_group or task.rank == 0)
+        return bool(every and loop.control.agreement.periodic_checkpoint(task.rank)
                     and loop.step % every == 0 and task.start_step < loop.step < task.total_steps
                     and loop.step != self.last_step)
 
@@ -51,7 +51,7 @@ class LoopCheckpoints:
         loop, task = self.loop, self.loop.task
         started = time.perf_counter()
         context, strategy = loop.context, loop.strategy
-        together = final or strategy.traits.uses_process_group
+        together = final or loop.control.agreement.checkpoints_together
         carried, strategy_state = strategy.checkpoint_state(context, together)
         own = {"step": loop.step, "rng": torch.get_rng_state(), "strategy": to_host(strategy.rank_state())}
         if context.device.type == "cuda":  # dropout and other random layers on the GPU draw from its own generator

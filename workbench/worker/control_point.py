@@ -1,11 +1,13 @@
 """The worker loop's control point: where the ranks agree on pause, stop, learning rate, live settings,
 checkpoints and strategy switches, and carry them out together.
 
-Before each step the loop asks `ControlPoint.before_step`. Process-group strategies take rank 0's
-control state every few steps (one broadcast, about every CONTROL_AGREEMENT_S of training); a switch or
-a checkpoint makes every rank meet at a rendezvous (`switching.decide`, pure) and act at one agreed step;
-a pause blocks here. Out of steps, `meet_at_end` keeps meeting until every rank is. It also answers
-whether the client has ended this group (`superseded`), so that a rank leaves instead of waiting.
+Before each step the loop asks `ControlPoint.before_step` what to do: nothing, switch strategy, or
+take a checkpoint (an action the loop carries out itself, then asks again). How the ranks agree is the
+running strategy's policy (`worker/agreement.py`): in lockstep, rank 0's control state every few steps
+(one broadcast, about every CONTROL_AGREEMENT_S of training), or each rank on its own. A switch or a
+checkpoint makes every rank meet at a rendezvous (`switching.decide`, pure) and act at one agreed step;
+a pause blocks here. Out of steps, `at_end` keeps meeting until every rank is. It also answers whether
+the client has ended this group (`superseded`), so that a rank leaves instead of waiting.
 """
 from __future__ import annotations
 
@@ -13,13 +15,10 @@ import dataclasses
 import time
 from typing import Any
 
-import torch
-
 from workbench.comm import collectives
-from workbench.comm.averaging import fingerprint, flatten
 from workbench.plane import kinds
 from workbench.plane.control import ControlPoller, ControlState
-from workbench.strategies import get_strategy, make_settings
+from workbench.worker.agreement import Agreements
 from workbench.worker.switching import Decision, Position, SwitchRequest, decide
 
 PAUSE_POLL_S = 0.25
@@ -39,9 +38,25 @@ class Superseded(Exception):
     """The client ended this group of workers (a worker was lost, or the client is gone): leave at once."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SwitchNow:
+    """Action: change to the strategy `request` names, at this step (`strategy_switch.switch_strategy`)."""
+
+    request: SwitchRequest
+
+
+class TakeCheckpoint:
+    """Action: take a checkpoint at this step (`LoopCheckpoints.take`)."""
+
+
+TAKE_CHECKPOINT = TakeCheckpoint()
+Action = SwitchNow | TakeCheckpoint
+
+
 class ControlPoint:
-    """One rank's side of the control agreement. `loop` is the worker loop: its step, strategy, context,
-    metrics sender and checkpoints."""
+    """One rank's side of the control agreement. It reads the worker loop (`loop`: its step, strategy,
+    transport, metrics sender and checkpoints) and never changes it: what the ranks agreed on is returned
+    as an action."""
 
     def __init__(self, loop: Any, poller: ControlPoller, agreement_s: float = CONTROL_AGREEMENT_S) -> None:
         task = loop.task
@@ -61,7 +76,8 @@ class ControlPoint:
         self.settled_s = 0.0  # waited at this control point for the strategy's exchange in flight (`settle`)
         self.joined_group = False
         self.group_broken = False
-        self.meetings = 0  # rendezvous of an asynchronous strategy so far (`_rendezvous`), alike on every rank
+        self.agreements = Agreements()
+        self.agreement = self.agreements.for_strategy(loop.strategy)  # again after each switch (`switched`)
 
     # --- is this group still wanted? ------------------------------------------------------------------
 
@@ -98,59 +114,60 @@ class ControlPoint:
 
     # --- before each step and at the end --------------------------------------------------------------
 
-    def before_step(self) -> None:
-        """Control and switches before this step (a switch is followed by an agreement), and a checkpoint
-        if one is due. Raises `StopRequested` or `Superseded`."""
-        loop = self.loop
-        while True:
-            if self.superseded():
-                raise Superseded
-            if self.pending is not None and loop.step >= self.switch_at:
-                self._switch()
-                self.next_agreement = loop.step  # e.g. a pause asked for with the switch applies here
-            if self.pending is None and loop.step >= self.next_agreement and loop.step < self.task.total_steps:
-                self.next_agreement = loop.step + self._agree_and_apply()
-                if self.pending is not None and loop.step >= self.switch_at:
-                    continue
-            if loop.checkpoints.due(self.pending_checkpoint, self.checkpoint_at):
-                self._take_checkpoint()
-            return
+    def before_step(self) -> Action | None:
+        """Control before this step: None to train it, or an action to carry out first (then ask again).
+        Raises `StopRequested` or `Superseded`."""
+        step = self.loop.step
+        if self.superseded():
+            raise Superseded
+        if self.pending is not None and step >= self.switch_at:
+            return SwitchNow(self.pending)
+        if self.pending is None and step >= self.next_agreement and step < self.task.total_steps:
+            interval = self._agree_and_apply()
+            if interval is TAKE_CHECKPOINT:
+                return interval  # agreed again at this step, once it is taken
+            self.next_agreement = step + interval
+            if self.pending is not None and step >= self.switch_at:
+                return SwitchNow(self.pending)
+        if self.loop.checkpoints.due(self.pending_checkpoint, self.checkpoint_at):
+            self.pending_checkpoint = None
+            return TAKE_CHECKPOINT
+        return None
 
-    def meet_at_end(self, stopped: bool) -> None:
-        """Out of steps (or stopping): meet the others until all are, making any switch still agreed on."""
+    def at_end(self, stopped: bool) -> Action | None:
+        """Out of steps (or stopping): meet the others until all are (None), first carrying out any
+        switch or checkpoint agreed on for the step this worker has reached."""
         while True:
             if self.superseded():
                 raise Superseded
-            if self.pending is not None:  # a switch agreed for the step this worker has reached
-                self._switch()
-            if self.pending_checkpoint is not None:  # agreed for a step this worker has reached
-                self._take_checkpoint()
+            if self.pending is not None:
+                return SwitchNow(self.pending)
+            if self.pending_checkpoint is not None:
+                self.pending_checkpoint = None
+                return TAKE_CHECKPOINT
             decision = self._rendezvous(at_end=True, stopping=stopped)
             if decision.finished or (decision.stop and decision.all_at_end):
-                return
+                return None
             if decision.switch is not None:
                 self.pending, self.switch_at = decision.switch, decision.target_step
 
-    def _take_checkpoint(self) -> None:
-        self.pending_checkpoint = None
-        self.loop.checkpoints.take()
-
     # --- agreement --------------------------------------------------------------------------------------
 
-    def _agree_and_apply(self) -> int:
-        """All ranks take one control state at this step; returns the steps until the next agreement.
+    def _agree_and_apply(self) -> int | TakeCheckpoint:
+        """All ranks take one control state at this step; returns the steps until the next agreement, or,
+        on rank 0 of ranks agreeing on their own, a checkpoint the client asked for (taken at once, alone).
 
         Pausing blocks here until resumed, stopped or switched. A switch not made yet leads to a
         rendezvous first, paused or not: another worker may be waiting there already, having read the
         switch before the pause (or the other way round); a paused run pauses again after the switch.
         """
-        loop, strategy = self.loop, self.loop.strategy
+        loop = self.loop
         self._settle()  # before reading the control state: what arrived meanwhile is agreed on now
         control, interval = self._agree(self.poller.latest())
-        if control.checkpoint_id > self.known_checkpoint and not strategy.traits.uses_process_group:
+        if control.checkpoint_id > self.known_checkpoint and not self.agreement.checkpoints_together:
             self.known_checkpoint = control.checkpoint_id
             if self.task.rank == 0:  # taken alone, here and now (see `LoopCheckpoints.due`)
-                self._take_checkpoint()
+                return TAKE_CHECKPOINT
         while True:
             if self.superseded():
                 raise Superseded
@@ -199,12 +216,8 @@ class ControlPoint:
         return interval
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:
-        """Rank 0's control state and agreement interval on every rank (each its own without a group)."""
-        if not self.loop.strategy.traits.uses_process_group:
-            return local, 1
-        message = self.loop.comm.broadcast_json(
-            {"control": local.to_message(), "interval": self._control_interval()} if self.task.rank == 0 else None)
-        return ControlState.from_message(message["control"]), message["interval"]
+        """The control state and agreement interval every rank takes (the policy's: rank 0's, or its own)."""
+        return self.agreement.agree(self.loop.comm, self.task.rank, local, self._control_interval)
 
     def _settle(self) -> None:
         """Let the strategy finish what it has in flight on the process group before the ranks exchange
@@ -229,14 +242,10 @@ class ControlPoint:
 
     def _rendezvous(self, at_end: bool, stopping: bool = False) -> Decision:
         """Meet every other rank (see `switching`); all return the same decision."""
-        if not self.loop.strategy.traits.uses_process_group:
-            # The ranks of an asynchronous strategy run at their own pace: one out of steps (or at a switch)
-            # may be far ahead of another on a thin link. They first meet without a deadline (a lost peer
-            # ends the wait through `superseded`), so that the collective below never waits out its timeout
-            # on a peer that is only behind (seen: `async` p4 at 20 Mbit/s, issue 46).
-            self.meetings += 1
-            if not self.loop.comm.meet(self.meetings, self.superseded):
-                raise Superseded
+        # Ranks at their own pace first meet without a deadline (a lost peer ends the wait through
+        # `superseded`): one out of steps may be far ahead of another on a thin link.
+        if not self.agreement.meet(self.loop.comm, self.superseded):
+            raise Superseded
         self._settle()
         latest = self.poller.latest()
         newest = latest if latest.version > self.control.version else self.control
@@ -245,7 +254,7 @@ class ControlPoint:
         decision = decide(positions, self.applied_switch, self.known_checkpoint)
         if decision.newest["version"] > self.control.version:  # e.g. the lr the next strategy starts with
             self.control = ControlState.from_message(decision.newest)
-        if not self.loop.strategy.traits.uses_process_group:
+        if not self.agreement.checkpoints_together:
             # Ranks of a parameter-server run read checkpoint requests on their own; from here on they
             # agree on the newest (a switch to a process-group strategy needs them to).
             self.known_checkpoint = max(self.known_checkpoint, decision.newest.get("checkpoint_id", 0))
@@ -254,57 +263,14 @@ class ControlPoint:
             self.checkpoint_at = decision.target_step
         return decision
 
-    def _switch(self) -> None:
-        """Change strategy on every rank at this step, carrying the weights and optimizer state over."""
-        loop = self.loop
-        request, context, old = self.pending, loop.context, loop.strategy
-        started = time.perf_counter()
-        parts: dict[str, float] = {}  # where the switch's time went (on a slow link: the exchanges in it)
+    def switched(self, request: SwitchRequest, strategy: Any) -> None:
+        """The loop made the agreed switch to `strategy`: the next agreement follows at once (a pause asked
+        for with the switch applies here), under the new strategy's way of agreeing."""
+        self.agreement = self.agreements.for_strategy(strategy)
+        self.applied_switch, self.pending = request.switch_id, None
+        self.next_agreement = self.loop.step
 
-        marks = [started]
-
-        def lap(part: str) -> None:
-            marks.append(time.perf_counter())
-            parts[part] = round(marks[-1] - marks[-2], 3)
-
-        before = fingerprint(flatten(list(context.model.parameters())))
-        new_class = get_strategy(request.strategy)
-        # Between two local-SGD strategies each worker goes on with its own optimizer state and, where the
-        # old one keeps a common base and the new one can start from it, its own weights: what it would
-        # have gone on with, and no model-sized exchange to bring the workers together first.
-        own = old.traits.own_optimizer_states and new_class.traits.own_optimizer_states
-        common = old.common_base(context) if own and new_class.traits.takes_own_weights else None
-        if common is None:
-            old.finish(context)  # common weights: averaged, or the server's
-        lap("finish")
-        carried = old.carry_out(context, own_state=own)
-        carried.common = common
-        lap("carry_out")
-        loop.comm.barrier()  # every rank holds the carried state before the old services go
-        old.close()
-        lap("close")
-        settings = make_settings(request.strategy, request.settings)
-        new = new_class(settings)
-        context.optimizer = new.local_optimizer(context.job, context.model.parameters())
+    def take_switch_lr(self) -> None:
+        """The learning rate the next strategy starts with: the newest agreed on (see `_rendezvous`)."""
         if self.control.lr is not None:
             self.base_lr = self.control.lr
-        loop.apply_lr()
-        new.carry_in(context, carried)
-        new.setup(context)
-        lap("setup")
-        loop.strategy, self.applied_switch, self.pending = new, request.switch_id, None
-        # The fingerprints let anyone check from the metrics that every worker starts the new strategy
-        # from the same, carried-over weights (or, each with its own, over the same common base).
-        loop.sender.event(kinds.SWITCHED, step=loop.step, switch_id=request.switch_id,
-                          settings=dataclasses.asdict(settings), took_s=time.perf_counter() - started, parts_s=parts,
-                          carried_optimizer_state=sorted(carried.optimizer_state), weights_before=before,
-                          weights_after=fingerprint(flatten(list(context.model.parameters()))),
-                          optimizer_state_after=_state_print(carried.optimizer_state),
-                          common_weights=fingerprint(common) if common is not None else None,
-                          **{"from": old.name, "to": new.name})
-
-
-def _state_print(state: dict[str, Any]) -> list[float] | None:
-    """The carried optimizer state's fingerprint (its tensors), to tell a common state from each worker's own."""
-    tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
-    return fingerprint(flatten(tensors)) if tensors else None

@@ -36,8 +36,10 @@ from workbench.plane.metrics import MetricsSender, topic
 from workbench.schedule import lr_factor
 from workbench.strategies import StrategySettings, TrainingContext, get_strategy
 from workbench.worker.checkpoints import LoopCheckpoints
-from workbench.worker.control_point import CONTROL_AGREEMENT_S, CONTROL_POLL_S, ControlPoint, StopRequested, Superseded
+from workbench.worker.control_point import (CONTROL_AGREEMENT_S, CONTROL_POLL_S, Action, ControlPoint, StopRequested,
+                                            Superseded, SwitchNow)
 from workbench.worker.host import GpuGauge, configure_worker_for_training, resolve_device
+from workbench.worker.strategy_switch import switch_strategy
 
 
 @dataclasses.dataclass
@@ -229,7 +231,8 @@ class _Loop:
         try:
             for epoch, indices in self._batches(shard, evaluation, loss_fn, device):
                 started = time.perf_counter()
-                self.control.before_step()  # pause, stop, lr, settings, switch, checkpoint: agreed here
+                while (action := self.control.before_step()) is not None:  # pause, stop, lr, settings: agreed
+                    self._carry_out(action)  # a switch or a checkpoint, at the step the ranks agreed on
                 if self.step >= task.total_steps:
                     break
                 self._train_step(context, loss_fn, shard, indices, epoch, time.perf_counter() - started, device)
@@ -237,7 +240,8 @@ class _Loop:
                     self._evaluate(model, evaluation, loss_fn, device, epoch)
         except StopRequested:
             stopped = True
-        self.control.meet_at_end(stopped)
+        while (action := self.control.at_end(stopped)) is not None:
+            self._carry_out(action)
         self.strategy.finish(context)
         self.comm.barrier()  # every rank holds the final weights before any service is released
         regrouping = self.control.control.regroup or self.control.poller.latest().regroup
@@ -311,6 +315,20 @@ class _Loop:
             record.update(self._gpu.sample(device))
         self.sender.record(record)
         self.step += 1
+
+    def _carry_out(self, action: Action) -> None:
+        """What the ranks agreed on at the control point: switch strategy, or take a checkpoint."""
+        if not isinstance(action, SwitchNow):
+            self.checkpoints.take()
+            return
+
+        def new_optimizer() -> None:
+            self.control.take_switch_lr()
+            self.apply_lr()
+
+        self.strategy, event = switch_strategy(self.strategy, action.request, self.context, self.comm, new_optimizer)
+        self.control.switched(action.request, self.strategy)
+        self.sender.event(kinds.SWITCHED, step=self.step, **event)
 
     def apply_lr(self) -> None:
         """The run's learning rate (the job's, or as last set while it runs) times the job's schedule at
