@@ -17,7 +17,7 @@ import ipywidgets as ipw
 import workbench
 from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.evaluation import held_out_text
-from workbench.run import worker_spread
+from workbench.run import recovery, worker_spread
 from workbench.run.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
 from workbench.run.lifecycle import FINISHED_STATES
 from workbench.strategies import STRATEGIES, get_strategy
@@ -91,6 +91,7 @@ class ControlPanel:
         self.worker_table = ipw.HTML()
         self.staleness_text = ipw.HTML()
         self.held_out_text = ipw.HTML()  # the newest held-out evaluation, as fits the task
+        self.recovery_text = ipw.HTML()  # each recovery from lost workers: where its time went
         self._build_plots()
 
         controls = ipw.VBox([
@@ -102,7 +103,8 @@ class ControlPanel:
         plots = ipw.HBox([self.loss_figure, self.throughput_figure,
                           ipw.VBox([self.staleness_figure, self.staleness_text])])
         self.widget = ipw.VBox([self.title, ipw.HBox([self.progress, self.progress_text]), controls, plots,
-                                self.held_out_text, self.worker_table, self.links, self.message])
+                                self.held_out_text, self.recovery_text, self.worker_table, self.links,
+                                self.message])
 
     def _build_plots(self) -> None:
         layout = {"width": "360px", "height": "260px"}
@@ -276,6 +278,8 @@ class ControlPanel:
         evaluations = s.get("evaluations") or []
         if evaluations:
             self.held_out_text.value = f"<small>{html.escape(held_out_text(evaluations[-1]))}</small>"
+        self.recovery_text.value = "".join(f"<div><small>{html.escape(recovery.describe(entry))}</small></div>"
+                                           for entry in s.get("recoveries") or [])
         self.worker_table.value = _worker_table(s["workers"])
         links = []
         if s["dashboard"]:

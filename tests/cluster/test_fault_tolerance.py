@@ -130,6 +130,17 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     # long a recovery takes is a benchmark's figure, not a test's.
     assert lost[0]["time"] - killed_at < LONG_TIMEOUT_S / 4
     assert regrouped[0]["time"] - lost[0]["time"] < LONG_TIMEOUT_S / 4
+    # The recovery's timed phases, in the records and the summary: from the lost worker's last step to the
+    # new group's first, each phase between the records that end it (run/recovery.py).
+    (recovered,) = run.events("recovered")
+    assert recovered["lost"] == [target] and recovered["generation"] == 1
+    moments = recovered["moments"]
+    assert moments["fault"] <= killed_at + 1 and moments["detected"] == lost[0]["time"]
+    assert moments["agreed"] == regrouped[0]["time"]
+    first_after = min(r["time"] for r in run.table.steps().to_dict("records") if r["time"] > regrouped[0]["time"])
+    assert moments["restarted"] < first_after <= moments["first_step"]
+    assert sum(recovered["phases_s"].values()) == pytest.approx(recovered["total_s"], abs=0.01)
+    assert run.summary()["recoveries"][0]["total_s"] == recovered["total_s"]
     # The survivors left the broken group; none is recorded as failed.
     assert not run.events("worker-failed")
     left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}

@@ -347,3 +347,22 @@ def test_the_dashboards_worker_table_shows_gpu_gauges_rounded_and_only_where_rep
     frame = worker_frame([{**row, "gpu_memory_mb": 65.482422, "gpu_utilization": 73.0},
                           {**row, "worker": 1, "gpu_memory_mb": 1024.6, "gpu_utilization": None}], {})
     assert list(frame["GPU memory (MB)"]) == [65, 1025] and frame["GPU use (%)"].iloc[0] == 73
+
+
+def test_run_details_draw_each_recovery_as_a_waterfall_of_its_phases(tmp_path):
+    recovered = {"kind": "recovered", "time": 1010.0, "lost": ["tcp://a:3"], "generation": 1, "from_step": 4,
+                 "total_s": 3.7, "moments": {}, "phases_s": {"detected": 1.5, "agreed": 0.5, "restarted": 0.9,
+                                                             "first_step": 0.8}}
+    _write_run(tmp_path, "recovered", "olivia", _steps(0, range(6)) + [recovered])
+    hub = Hub(None, tmp_path).start()
+    try:
+        session = DashboardSession(hub, Access(sign_in=False))
+        session.run_select.value = "recovered"
+        session.tabs.active = list(session.tab_views).index("Run details")
+        session.refresh()
+        bars = session.screen.sources["recoveries"].data
+        assert bars["recovery"] == ["1: lost tcp://a:3, 3.7 s"]
+        assert [bars[phase][0] for phase in ("detected", "agreed", "restarted", "first_step")] == [1.5, 0.5, 0.9, 0.8]
+        assert list(session.tab_views["Run details"].recovery_y_range.factors) == bars["recovery"]
+    finally:
+        hub.close()

@@ -28,6 +28,7 @@ from workbench.job import DEVICES, OPTIMIZERS, PRECISIONS, Job
 from workbench.models import GPT_SIZES, gpt, mlp
 from workbench.plane import checkpoint_format as checkpoints, kinds
 from workbench.run.autopilot import AUTO, START as AUTO_START
+from workbench.run import recovery
 from workbench.run.handle import resume, train
 from workbench.schedule import SCHEDULES
 from workbench.strategies import STRATEGIES, make_settings, suggested_sgd
@@ -317,6 +318,8 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
               f"behind compute: {summary.get('comm_hidden_fraction', 0):.0%}")
     for text in summary.get("warnings", []):
         print(f"warning: {text}")
+    for entry in summary.get("recoveries", []):
+        print(recovery.describe(entry))
     print(f"held-out loss: {result['loss']:.4f}")
     for key, label in (("accuracy", "accuracy"), ("bits_per_char", "bits per character"),
                        ("token_accuracy", "next-token accuracy")):

@@ -38,6 +38,7 @@ WORKER_LOST = "worker-lost"  # a rank's worker went away or got stuck
 WORKER_JOINED = "worker-joined"  # a worker joined the cluster during the run
 JOIN_REFUSED = "join-refused"  # a joined worker could not be added (held, or the batch does not fit)
 REGROUPED = "regrouped"  # the run goes on with other workers (lost or joined)
+RECOVERED = "recovered"  # a regroup after lost workers is over: its timed phases (run/recovery.py)
 CHECKPOINT = "checkpoint"  # a checkpoint was written (path, step)
 CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity and was not written
 TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing

@@ -169,6 +169,8 @@ class MetricsTable:
             evaluations = [{key: r.get(key) for key in ("step", "time", "loss", "accuracy", "bits_per_char", "token_accuracy", "final")}
                            for r in self._other if r.get("kind") == kinds.EVAL]
             warnings = [r["message"] for r in self._other if r.get("kind") == kinds.TRAINING_WARNING]
+            recoveries = [{key: r.get(key) for key in ("lost", "generation", "phases_s", "total_s")}
+                          for r in self._other if r.get("kind") == kinds.RECOVERED]
             auto = [r for r in self._other if r.get("kind") in (kinds.AUTO_DECISION, kinds.AUTO_PINNED, kinds.AUTO_ON)]
         step_axis, loss_axis = downsample(steps, losses, max_points)
         now = time.time()
@@ -204,6 +206,7 @@ class MetricsTable:
             "time_split": {w: _fractions(t) for w, t in totals.items()},
             "workers": table,
             "warnings": warnings,
+            "recoveries": recoveries,  # each regroup after lost workers, timed by phase (run/recovery.py)
             "auto": auto_line(auto[-1]) if auto else None,
         }
 
@@ -213,6 +216,16 @@ class MetricsTable:
             rows = list(self._steps)
         frame = pd.DataFrame(rows)
         return frame.drop(columns=["kind"]) if "kind" in frame else frame
+
+    def first_steps_since(self, since: float) -> list[dict[str, Any]]:
+        """Each worker's first step record made after `since` (a time), as records: a regroup's end."""
+        first: dict[int, dict[str, Any]] = {}
+        with self._lock:
+            for record in reversed(self._steps):  # the newest first: a regroup is recent
+                if record["time"] <= since:
+                    break
+                first[record["worker"]] = record
+        return list(first.values())
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         with self._lock:

@@ -24,7 +24,7 @@ from workbench.errors import ConfigError, DivergenceError
 from workbench.plane import kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
-from workbench.run import regroup
+from workbench.run import recovery, regroup
 from workbench.run.launcher import FutureWatch, Group, LaunchOptions, check_batch_fits, launch, present_workers
 from workbench.strategies import get_strategy, make_settings
 
@@ -47,6 +47,7 @@ class Supervisor:
         self.group: Group | None = None  # the workers training now; set here only (`start_group`)
         self.roster = Roster()
         self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
+        self.recovering: int | None = None  # the group started after lost workers, until its phases are out
         self.thread: threading.Thread | None = None
         self._disconnected_since: float | None = None
 
@@ -142,6 +143,7 @@ class Supervisor:
             if self.roster.lost & set(addresses):
                 break
             run.feed.publish_warnings()
+            self._publish_recovery()
             if run.status == "running" and self.regroup_to is None and run.checkpoints.due():
                 run.control.update(checkpoint_id=run.control.state.checkpoint_id + 1)
             if run.auto_pilot is not None and self.regroup_to is None:
@@ -212,7 +214,19 @@ class Supervisor:
                           "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
                           "reason": "workers lost"})
         run.placement.give_back(released)  # a scheduler round trip: after the announcement, not before
+        self.recovering = run.generation + 1
         return list(verdict.workers), checkpoint
+
+    def _publish_recovery(self) -> None:
+        """Once every rank of the group started after a loss has stepped: the recovery's timed phases."""
+        if self.recovering is None:
+            return
+        run = self.run
+        records = run.table.events() + run.table.first_steps_since(run.table.events(kinds.REGROUPED)[-1]["time"])
+        done = [entry for entry in recovery.recoveries(records) if entry["generation"] == self.recovering]
+        if done:
+            self.recovering = None
+            run.feed.publish({"kind": kinds.RECOVERED, "time": time.time(), **done[0]})
 
     def _wait_for_survivors(self, futures: list[Any], addresses: list[str]) -> None:
         """Wait until every worker not known lost has left (at most one collective timeout).
@@ -299,7 +313,8 @@ class Supervisor:
         rank = run.worker_addresses.index(address)
         last = run.table.last_steps().get(rank, {})
         run.feed.publish({"kind": kinds.WORKER_LOST, "time": when, "rank": rank, "address": address,
-                          "generation": run.generation, "step": last.get("step"), "reason": reason})
+                          "generation": run.generation, "step": last.get("step"), "last_seen": last.get("time"),
+                          "reason": reason})
 
     def add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
         """Ask the group to stop at one step and go on with `addresses` added (default: every free

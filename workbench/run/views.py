@@ -74,6 +74,10 @@ def summary(run: Any) -> dict[str, Any]:
     warnings = run.warnings()
     if warnings:
         result["warnings"] = warnings
+    recovered = run.table.events(kinds.RECOVERED)
+    if recovered:  # each regroup after lost workers: its phases (run/recovery.py)
+        result["recoveries"] = [{k: e[k] for k in ("lost", "generation", "from_step", "phases_s", "total_s")}
+                                for e in recovered]
     if getattr(run, "exports", None) is not None and run.exports.error:  # training went on without it
         result["export_error"] = run.exports.error
     if getattr(run, "auto_pilot", None) is not None:  # strategy='auto': what it chose, and why

@@ -1,5 +1,6 @@
 """The "Run details" tab: the picked run in depth. Loss by wall time, the held-out metric by step and by
-wall time, the step-time split, divergence at each sync, the control requests and the run's config."""
+wall time, the step-time split, divergence at each sync, each recovery from lost workers as a waterfall of
+its phases, the control requests and the run's config."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,12 @@ from typing import Any
 import pandas as pd
 import panel as pn
 
+from workbench.run.recovery import PHASE_LABELS, PHASES
+
 from .common import MARKER_COLOUR, MARKER_COLUMNS, Context, figure, send_markers, when
 
 SPLIT_PARTS = ("compute", "comm", "wait")
+PHASE_COLOURS = ["#c44e52", "#dd8452", "#4c72b0", "#55a868"]  # detected, agreed, restored, first step
 
 
 class RunDetails:
@@ -41,10 +45,18 @@ class RunDetails:
         shares.vbar_stack(list(SPLIT_PARTS), x="worker", width=0.6, source=split,
                           color=["#4c72b0", "#dd8452", "#c44e52"], legend_label=["compute", "communication", "wait"])
         self.split_x_range = shares.x_range
+        # One bar per recovery from lost workers, its phases end to end: where the time between the fault
+        # and the first step after went, at a glance.
+        recoveries = screen.source("recoveries", {"recovery": [], **{phase: [] for phase in PHASES}})
+        waterfall = figure("Recoveries from lost workers", "seconds from the fault", "recovery", y_range=[])
+        waterfall.hbar_stack(list(PHASES), y="recovery", height=0.6, source=recoveries, color=PHASE_COLOURS,
+                             legend_label=[PHASE_LABELS[phase] for phase in PHASES])
+        self.recovery_y_range = waterfall.y_range
         self.requests_table = pn.pane.DataFrame(pd.DataFrame(), index=False, sizing_mode="stretch_width",
                                                 css_classes=["requests-table"], max_rows=10)
         self.config_view = pn.pane.JSON({}, depth=2, sizing_mode="stretch_width")
-        plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (loss_time, by_step, by_time, shares, drift)]
+        plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width")
+                 for p in (loss_time, by_step, by_time, shares, drift, waterfall)]
         self.layout = pn.Column(
             pn.Row(*plots[:3], sizing_mode="stretch_width"),
             pn.Row(*plots[3:], sizing_mode="stretch_width"),
@@ -71,6 +83,12 @@ class RunDetails:
         # Shares rounded to 1%: a bar chart need not move for every step.
         send("time-split", {"worker": names, **{part: [round(split[w][part], 2) for w in sorted(split)]
                                                 for part in SPLIT_PARTS}})
+        recoveries = view.get("recoveries") or []
+        labels = [f"{i + 1}: lost {', '.join(r['lost'])}, {r['total_s']:.1f} s" for i, r in enumerate(recoveries)]
+        if list(self.recovery_y_range.factors) != labels:
+            self.recovery_y_range.factors = labels
+        send("recoveries", {"recovery": labels, **{phase: [r["phases_s"][phase] for r in recoveries]
+                                                   for phase in PHASES}})
         self.screen.show("requests_table", self.requests_table, pd.DataFrame([{
             "when": when(r["time"]), "by": r["by"], "action": r["action"],
             "arguments": json.dumps(r["arguments"]) if r["arguments"] else "",
