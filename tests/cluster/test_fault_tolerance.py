@@ -133,7 +133,7 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     # The recovery's timed phases, in the records and the summary: from the lost worker's last step to the
     # new group's first, each phase between the records that end it (run/recovery.py).
     (recovered,) = run.events("recovered")
-    assert recovered["lost"] == [target] and recovered["generation"] == 1
+    assert list(recovered["lost"]) == [target] and recovered["generation"] == 1
     moments = recovered["moments"]
     assert moments["fault"] <= killed_at + 1 and moments["detected"] == lost[0]["time"]
     assert moments["agreed"] == regrouped[0]["time"]
