@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.run import recovery
 from workbench.run.launcher import present_workers
 from workbench.plane import checkpoint_format as checkpoints
 from workbench.plane.rundir import read_metrics
@@ -141,6 +142,7 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     assert moments["restarted"] < first_after <= moments["first_step"]
     assert sum(recovered["phases_s"].values()) == pytest.approx(recovered["total_s"], abs=0.01)
     assert run.summary()["recoveries"][0]["total_s"] == recovered["total_s"]
+    print(f"{strategy}: {recovery.describe(recovered)}")
     # The survivors left the broken group; none is recorded as failed.
     assert not run.events("worker-failed")
     left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}
