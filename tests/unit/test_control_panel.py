@@ -53,7 +53,7 @@ def test_the_panel_says_where_each_recoverys_time_went():
         snapshot = run.snapshot()
         assert snapshot["recoveries"] == [] and panel.recovery_text.value == ""
         lost = {"lost": ["tcp://10.0.0.3:4000"], "generation": 1, "total_s": 3.7,
-                "phases_s": {"detected": 1.5, "agreed": 0.5, "restarted": 0.9, "first_step": 0.8}}
+                "phases_s": {"detected": 1.5, "agreed": 0.5, "restored": 0.9, "first_step": 0.8}}
         panel._draw({**snapshot, "recoveries": [lost]})
         assert ("recovered from losing tcp://10.0.0.3:4000 in 3.7 s (fault to detected 1.5 s, detected to survivors "
                 "agreed 0.5 s, agreed to state restored 0.9 s, restored to first step after 0.8 s)") in panel.recovery_text.value

@@ -351,7 +351,7 @@ def test_the_dashboards_worker_table_shows_gpu_gauges_rounded_and_only_where_rep
 
 def test_run_details_draw_each_recovery_as_a_waterfall_of_its_phases(tmp_path):
     recovered = {"kind": "recovered", "time": 1010.0, "lost": ["tcp://a:3"], "generation": 1, "from_step": 4,
-                 "total_s": 3.7, "moments": {}, "phases_s": {"detected": 1.5, "agreed": 0.5, "restarted": 0.9,
+                 "total_s": 3.7, "moments": {}, "phases_s": {"detected": 1.5, "agreed": 0.5, "restored": 0.9,
                                                              "first_step": 0.8}}
     _write_run(tmp_path, "recovered", "olivia", _steps(0, range(6)) + [recovered])
     hub = Hub(None, tmp_path).start()
@@ -362,7 +362,7 @@ def test_run_details_draw_each_recovery_as_a_waterfall_of_its_phases(tmp_path):
         session.refresh()
         bars = session.screen.sources["recoveries"].data
         assert bars["recovery"] == ["1: lost tcp://a:3, 3.7 s"]
-        assert [bars[phase][0] for phase in ("detected", "agreed", "restarted", "first_step")] == [1.5, 0.5, 0.9, 0.8]
+        assert [bars[phase][0] for phase in ("detected", "agreed", "restored", "first_step")] == [1.5, 0.5, 0.9, 0.8]
         assert list(session.tab_views["Run details"].recovery_y_range.factors) == bars["recovery"]
     finally:
         hub.close()

@@ -20,8 +20,8 @@ def _records(lost_last_seen=10.0):
                 {"kind": kinds.REGROUPED, "time": 12.0, "generation": 1, "workers": ["a", "b"], "lost": ["c"],
                  "from_step": 8, "reason": "workers lost"},
                 {"kind": kinds.GENERATION_STARTED, "time": 12.1, "generation": 1, "workers": ["a", "b"]},
-                {"kind": kinds.WORKER_STARTED, "worker": 0, "time": 12.6, "generation": 1},
-                {"kind": kinds.WORKER_STARTED, "worker": 1, "time": 12.9, "generation": 1}]
+                {"kind": kinds.RESTORED, "worker": 0, "time": 12.6, "generation": 1},
+                {"kind": kinds.RESTORED, "worker": 1, "time": 12.9, "generation": 1}]
     return records
 
 
@@ -29,9 +29,9 @@ def test_each_phase_runs_between_the_records_that_end_it_and_they_add_up():
     records = _records() + [_step(0, 13.5, 8), _step(1, 13.7, 8), _step(0, 14.0, 9)]
     (entry,) = recoveries(reversed(records))  # any order: sorted by time
     assert entry["lost"] == ["c"] and entry["generation"] == 1 and entry["from_step"] == 8
-    assert entry["moments"] == {"fault": 10.0, "detected": 11.5, "agreed": 12.0, "restarted": 12.9,
+    assert entry["moments"] == {"fault": 10.0, "detected": 11.5, "agreed": 12.0, "restored": 12.9,
                                 "first_step": 13.7}  # every rank of the new group stepped
-    assert entry["phases_s"] == pytest.approx({"detected": 1.5, "agreed": 0.5, "restarted": 0.9, "first_step": 0.8})
+    assert entry["phases_s"] == pytest.approx({"detected": 1.5, "agreed": 0.5, "restored": 0.9, "first_step": 0.8})
     assert entry["total_s"] == pytest.approx(3.7) == pytest.approx(sum(entry["phases_s"].values()))
     assert describe(entry).startswith("recovered from losing c in 3.7 s (fault to detected 1.5 s, ")
 
@@ -39,7 +39,7 @@ def test_each_phase_runs_between_the_records_that_end_it_and_they_add_up():
 def test_a_recovery_is_reported_only_once_every_new_rank_has_started_and_stepped():
     assert recoveries(_records()) == []  # nobody stepped yet
     assert recoveries(_records() + [_step(0, 13.5, 8)]) == []  # one of the two
-    started_one = [r for r in _records() if not (r["kind"] == kinds.WORKER_STARTED and r["worker"] == 1)]
+    started_one = [r for r in _records() if not (r["kind"] == kinds.RESTORED and r["worker"] == 1)]
     assert recoveries(started_one + [_step(0, 13.5, 8), _step(1, 13.7, 8)]) == []
 
 

@@ -14,6 +14,7 @@ BATCHES = "batches"  # several workers' messages forwarded as one (`messages`): 
 STEP = "step"  # one worker's step: the fields in metrics.STEP_FIELDS plus the strategy's own
 EVAL = "eval"  # a held-out evaluation by rank 0
 WORKER_STARTED = "worker-started"  # a rank began: address, pid, host, device
+RESTORED = "restored"  # a rank started from a checkpoint holds its state (weights, optimizer, strategy)
 WORKER_FINISHED = "worker-finished"  # a rank ended its group normally (`stopped` if asked to)
 WORKER_FAILED = "worker-failed"  # a rank raised: the error and its step
 WORKER_LEFT = "worker-left"  # a rank left a group the client ended (a regroup)

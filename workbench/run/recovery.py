@@ -5,7 +5,8 @@ A regroup after a loss goes through five moments, each a record the run keeps an
 - `fault`: the lost worker's last sign of life (`last_seen` of `worker-lost`: its last step's record);
 - `detected`: the client declared it lost (`worker-lost`: the scheduler removed it, or it was stuck);
 - `agreed`: the survivors ended their group and the client chose who goes on (`regrouped`);
-- `restarted`: every rank of the new group has started from the checkpoint (`worker-started`);
+- `restored`: every rank of the new group holds the checkpoint's state (`restored`: process group
+  formed, shard loaded, weights, optimizer and strategy state restored, server shards started);
 - `first step`: every rank of the new group has made its first step.
 
 `recoveries(records)` gives, for every regroup that followed a loss, those moments and the four phases
@@ -20,9 +21,9 @@ from typing import Any
 
 from workbench.plane import kinds
 
-PHASES = ("detected", "agreed", "restarted", "first_step")  # each phase is named by the moment that ends it
+PHASES = ("detected", "agreed", "restored", "first_step")  # each phase is named by the moment that ends it
 PHASE_LABELS = {"detected": "fault to detected", "agreed": "detected to survivors agreed",
-                "restarted": "agreed to state restored", "first_step": "restored to first step after"}
+                "restored": "agreed to state restored", "first_step": "restored to first step after"}
 
 
 def recoveries(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,18 +49,16 @@ def _recovery(records: list[dict[str, Any]], regroup: dict[str, Any]) -> dict[st
     # The first lost worker's last sign of life (a worker lost before its first step: when it was found).
     fault = min(min(r.get("last_seen") or r["time"], r["time"]) for r in lost)
     ranks = len(regroup["workers"])
-    started = [r["time"] for r in records if r.get("kind") == kinds.WORKER_STARTED
-               and r.get("generation") == generation]
-    if len(started) < ranks:
+    restored = [r["time"] for r in records if r.get("kind") == kinds.RESTORED and r.get("generation") == generation]
+    if len(restored) < ranks:
         return None
-    restarted = max(started)
     first_steps: dict[int, float] = {}
     for record in records:
         if record.get("kind") == kinds.STEP and record["time"] > agreed and record["worker"] not in first_steps:
             first_steps[record["worker"]] = record["time"]
     if len(first_steps) < ranks:
         return None
-    moments = {"fault": fault, "detected": detected, "agreed": agreed, "restarted": restarted,
+    moments = {"fault": fault, "detected": detected, "agreed": agreed, "restored": max(restored),
                "first_step": max(first_steps.values())}
     order = ("fault", *PHASES)
     phases = {phase: round(max(0.0, moments[phase] - moments[before]), 3) for before, phase in zip(order, order[1:])}

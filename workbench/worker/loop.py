@@ -225,6 +225,8 @@ class _Loop:
         if resume_from is not None:
             self.checkpoints.restore(context, resume_from)
         self.strategy.setup(context)
+        if resume_from is not None:  # a recovery's phase ends here (run/recovery.py)
+            self.sender.event(kinds.RESTORED, step=self.step, generation=task.generation)
         loss_fn = loss_function(job)
 
         stopped = False
