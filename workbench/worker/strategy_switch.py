@@ -9,6 +9,7 @@ the same weights (or, each with its own, over the same common base), and where t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any, Callable
 
@@ -47,6 +48,8 @@ def switch_strategy(old: Strategy, request: SwitchRequest, context: TrainingCont
     lap("carry_out")
     comm.barrier()  # every rank holds the carried state before the old services go
     old.close()
+    if not old.traits.uses_process_group:
+        gc.collect()  # the closures Dask's actor calls left hold the old server's shards (see its `close`)
     lap("close")
     settings = make_settings(request.strategy, request.settings)
     new = new_class(settings)
