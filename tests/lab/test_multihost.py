@@ -18,6 +18,7 @@ import pytest
 import workbench
 from workbench.run.auto_policy import SYNCHRONOUS
 from workbench.plane import kinds
+from workbench.run import recovery
 from testbed import lab as labs
 from workbench.strategies import suggested_sgd
 
@@ -160,6 +161,10 @@ def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path
     regrouped = run.events("regrouped")
     assert len(regrouped) == 1 and list(regrouped[0]["lost"]) == [victim]
     assert regrouped[0]["time"] - killed < 5  # noticed across hosts at once, not after the 60 s timeout
+    (recovered,) = run.events("recovered")  # timed by phase across hosts too (run/recovery.py)
+    assert list(recovered["lost"]) == [victim] and recovered["moments"]["agreed"] == regrouped[0]["time"]
+    assert sum(recovered["phases_s"].values()) == pytest.approx(recovered["total_s"], abs=0.01)
+    print(recovery.describe(recovered))
     assert not run.events("worker-failed") and run.summary()["workers"] == WORKER_HOSTS - 1
     # Resumed on every worker host again (the killed one's nanny restarted it): from the run's end,
     # with more epochs, on three workers.
