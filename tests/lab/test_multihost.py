@@ -101,6 +101,34 @@ def test_every_strategy_trains_across_hosts_with_nothing_set_by_hand(lab, all_wo
     assert set(all_workers.run(_env, "GLOO_SOCKET_IFNAME").values()) == {None}
 
 
+END_TIMEOUT_S = 10.0  # the runs' collective timeout below: one rank ends more than this after the others
+
+
+@pytest.mark.parametrize("strategy,settings", [("async", {"push_every": 4}), ("easgd", {})], ids=["async-p4", "easgd"])
+def test_a_rank_far_behind_at_100mbit_is_waited_for_at_the_end_not_timed_out(lab, all_workers, tmp_path, strategy,
+                                                                            settings):
+    """Issue 46, item 0: on links of 100 Mbit/s, `async` p4 and `easgd` failed after their last step, rank 0
+    waiting out the collective timeout in the end-of-run rendezvous for a rank still training. The ranks
+    of these strategies run at their own pace; the MLP of the issue, one worker host made slower still
+    (a step delay), so that the last rank ends more than a whole collective timeout after the first."""
+    from workbench.run.handle import Run
+
+    job = workbench.Job(model=workbench.mlp(784, 10, (1024, 1024)), data="synthetic", batch_size=128, steps=40,
+                        lr=0.01)
+    lab.set_rate("100mbit")
+    try:
+        run = Run(job, strategy, client=all_workers, workers=None, run_dir=tmp_path, name=None,
+                  collective_timeout_s=END_TIMEOUT_S, settings=settings, step_delays={WORKER_HOSTS - 1: 0.5})
+        run.start()
+        assert run.wait(240) == "finished", run.error
+    finally:
+        lab.set_rate(None)
+    assert not run.events("worker-failed") and not run.events("regrouped")
+    ends = run.metrics.groupby("worker")["time"].max()
+    assert len(ends) == WORKER_HOSTS and ends.max() - ends.min() > END_TIMEOUT_S  # waited for, not timed out
+    assert run.summary()["steps_done"] == 40
+
+
 def test_a_group_that_cannot_form_fails_the_run_at_once_and_leaves_the_workers_clean(all_workers, tmp_path):
     # gloo pointed at loopback on every worker host: no rank can reach another.
     all_workers.run(_set_env, "GLOO_SOCKET_IFNAME", "lo")

@@ -16,6 +16,8 @@ switch, resume), at the end of the run and for checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import threading
 import time
 from typing import Any
 
@@ -301,15 +303,16 @@ class _ServerStrategy(Strategy):
         # handle, which holds the actor's future: without a collection the shards would live on until the
         # worker's next cyclic garbage collection, which whoever drops the strategy runs (the loop as the
         # rank leaves, `switch_strategy` after a switch: one collection, 0.2-0.4 s, not two). A call still
-        # in flight is let finish first (bounded), unless the group was ended: then its shard may be gone
-        # with a lost worker, and waiting for it held every regroup back by half a second (measured).
-        pending = self.pending
-        if pending is not None and not self.abandoned:
-            try:
-                pending.result(min(5.0, self.timeout_s))
-            except Exception:
-                pass  # a lost shard, or a group being ended: nothing to wait for
-        self.pending = self.server = None
+        # in flight is let finish first (bounded): its closure is collectable only then. When the group was
+        # ended, off the leaving path: the call's shard may be gone with a lost worker, and waiting for it
+        # held every regroup back by half a second (measured); collected once it ends.
+        pending, bound_s = self.pending, min(5.0, self.timeout_s)
+        if pending is not None and self.abandoned:
+            threading.Thread(target=_collect_after, args=(pending, bound_s), name="workbench-last-call",
+                             daemon=True).start()
+        elif pending is not None:
+            _wait_quietly(pending, bound_s)
+        self.pending = self.server = pending = None
 
     def _flush(self, context: TrainingContext) -> None:
         """Send what is still unsent at the end of the run."""
@@ -337,6 +340,20 @@ class _ServerStrategy(Strategy):
     def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
         self.restored_version = int(strategy_state.get("server_version", 0))
         self.restored_residuals = (rank_state or {}).get("residuals")
+
+
+def _wait_quietly(pending: Any, timeout_s: float) -> None:
+    try:
+        pending.result(timeout_s)
+    except Exception:
+        pass  # a lost shard, or a group being ended: nothing to wait for
+
+
+def _collect_after(pending: Any, timeout_s: float) -> None:
+    """Once a leaving rank's last call to the server has ended (or `timeout_s` passed): collect its closure."""
+    _wait_quietly(pending, timeout_s)
+    del pending
+    gc.collect()
 
 
 def _momentum_on_workers(job: Any, settings: ServerOptions) -> bool:
