@@ -1,6 +1,8 @@
 """The loss watch (pure): a run that does not learn, or whose loss climbs, is said to be so once."""
 import math
 
+import pytest
+
 from workbench.run.health import LossWatch
 from workbench.plane.kinds import TRAINING_WARNING as WARNING_KIND
 from workbench.plane.metrics import MetricsTable, control_markers
@@ -74,3 +76,61 @@ def test_warnings_reach_the_live_view_and_the_markers():
     assert table.live_view()["warnings"] == ["m"]
     assert control_markers(table.events()) == [{"kind": WARNING_KIND, "step": 100, "time": 1.0,
                                                 "label": "warning: not-learning"}]
+
+
+# --- LinkWatch: a parameter-server strategy slower than allreduce would be on the run's link ------------
+
+MODEL_BYTES = 7_450_000  # the issue's MLP 784-1024-1024-10 in float32
+
+
+def _link_records(strategy, every, step_s, round_trip_s, workers=2, steps=64, compute_s=0.07):
+    """Step records of `workers` ranks: a push of the whole model every `every` steps, answered in full."""
+    records = []
+    for step in range(steps):
+        for worker in range(workers):
+            record = {"worker": worker, "step": step, "time": 100.0 + step * step_s, "samples": 128,
+                      "compute_s": compute_s, "strategy": strategy, "loss": 1.0}
+            if (step + 1) % every == 0:
+                record.update(comm_total_s=round_trip_s, bytes_sent=MODEL_BYTES, bytes_received=MODEL_BYTES)
+            records.append(record)
+    return records
+
+
+def _watch(records, model_bytes=MODEL_BYTES):
+    from workbench.run.health import LinkWatch
+
+    watch = LinkWatch(model_bytes=model_bytes, batch=128)
+    return watch, [w for w in (watch.observe(r) for r in records) if w is not None]
+
+
+def test_ssp_exchanging_the_model_every_step_on_a_thin_link_is_told_allreduce_would_be_faster():
+    # The issue's figures at 100 Mbit/s: a round trip of 1.2 s a step (push, then the reply), 0.07 s of
+    # compute: ssp at about 213 samples/s, where a ring all-reduce moves one model each way, 0.6 s.
+    watch, warnings = _watch(_link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2))
+    (warning,) = warnings  # once
+    measured = warning["measured"]
+    assert warning["reason"] == "slower-than-allreduce" and warning["strategy"] == "ssp"
+    assert measured["samples_per_s"] == pytest.approx(2 * 128 / 1.2, rel=0.02)
+    assert measured["link_mb_per_s"] == pytest.approx(2 * MODEL_BYTES / 1.2 / 1e6)
+    assert measured["allreduce_samples_per_s"] == pytest.approx(2 * 128 / (0.07 + 0.6), rel=0.01)
+    assert "allreduce would make about 382 on this link" in warning["message"]
+    assert "one exchange of the model every 1 step, 1.20 s each" in warning["message"]
+    assert watch.raised == {"ssp"} and watch.observe(_link_records("ssp", 1, 1.2, 1.2)[-1]) is None
+
+
+def test_a_strategy_that_exchanges_rarely_a_small_model_or_a_switch_raise_nothing_or_start_afresh():
+    # async push_every=16 on the same link: far faster than allreduce would be.
+    assert _watch(_link_records("async", every=16, step_s=0.08, round_trip_s=1.2))[1] == []
+    # A model of a few KiB: its exchange time is latency, not the link's rate. Compute longer than an
+    # exchange: the link is not the bound (on shared cores the server's work slows compute instead).
+    assert _watch(_link_records("ssp", every=1, step_s=0.6, round_trip_s=0.24, compute_s=0.25))[1] == []
+    assert _watch(_link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2), model_bytes=40_000)[1] == []
+    # Synchronous strategies are not judged; after a switch, ssp is judged on its own records alone, once
+    # every worker has 16 of them.
+    from workbench.run.health import LINK_MIN_RECORDS
+
+    ssp = _link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2, steps=LINK_MIN_RECORDS)
+    watch, warnings = _watch(_link_records("average", every=4, step_s=0.1, round_trip_s=0.5) + ssp[:-2])
+    assert warnings == []
+    assert watch.observe(ssp[-2]) is None  # worker 0 has 16, worker 1 still 15
+    assert watch.observe(ssp[-1])["reason"] == "slower-than-allreduce"

@@ -17,7 +17,7 @@ from typing import Any
 from workbench.cluster.announcements import RUNS_TOPIC
 from workbench.plane import kinds
 from workbench.plane.metrics import MetricsTable, expand, messages_in, topic
-from workbench.run.health import LossWatch
+from workbench.run.health import LinkWatch, LossWatch
 
 
 class RunFeed:
@@ -30,6 +30,7 @@ class RunFeed:
         self.run_id = ""
         self.directory: Any = None
         self.loss_watch: LossWatch | None = None
+        self.link_watch: LinkWatch | None = None  # under a parameter server: would allreduce be faster?
         self.generation = -1
         self.finished_ranks: set[int] = set()  # of the current generation
         self.on_checkpoint_ready: Callable[[dict[str, Any]], None] = lambda message: None
@@ -55,11 +56,13 @@ class RunFeed:
         if self.exports is not None:
             self.exports.put(records)  # queued: written on the exports' own thread
         kind = message.get("kind")
-        if kind == kinds.STEPS and self.loss_watch is not None:
+        if kind == kinds.STEPS:
+            watches = [watch for watch in (self.loss_watch, self.link_watch) if watch is not None]
             for record in records:
-                warning = self.loss_watch.observe(record)
-                if warning is not None:  # published by the supervisor: no blocking calls on this thread
-                    self._warnings.put({**warning, "time": time.time(), "strategy": record.get("strategy")})
+                for watch in watches:
+                    warning = watch.observe(record)
+                    if warning is not None:  # published by the supervisor: no blocking calls on this thread
+                        self._warnings.put({**warning, "time": time.time(), "strategy": record.get("strategy")})
         if kind == kinds.CHECKPOINT_READY:
             self.on_checkpoint_ready(message)
         with self.changed:  # wakes `wait_for_step`, `wait_for_event` and the supervisor

@@ -36,7 +36,7 @@ from workbench.run.autopilot import AUTO, START as AUTO_START, AutoPilot, check_
 from workbench.run.checkpoints import CheckpointStore
 from workbench.run.export import Exports, check_export_options
 from workbench.run.feed import RunFeed, announce
-from workbench.run.health import LossWatch
+from workbench.run.health import LinkWatch, LossWatch
 from workbench.run.launcher import Group, check_batch_fits, resolve_client, wanted_workers
 from workbench.run.lifecycle import Lifecycle
 from workbench.run.placement import Placement
@@ -330,6 +330,8 @@ class Run(RunViews):
         self.stop_watching = membership.watch(client, self.supervisor.roster.heard)
         self.supervisor.start_group(addresses, self._resume_from)
         self.config.update(shard_samples=self.group.shard_samples, total_steps=self.total_steps)
+        # A dense float32 gradient: what allreduce would send (the link watch's yardstick).
+        self.feed.link_watch = LinkWatch(model_bytes=4 * prepared.n_parameters, batch=self.job.batch_size)
         self.feed.loss_watch = LossWatch(self.total_steps, first_step=self._resume_from["step"] if resumed else 0,
                                          strategy=self.strategy, momentum=self.job.momentum)
         self.directory.write_json(CONFIG_FILE, self.config)
