@@ -146,7 +146,8 @@ def test_ssp_with_its_defaults_on_a_100mbit_link_says_allreduce_would_be_faster(
         run.wait(120)
     measured = warning["measured"]
     assert warning["reason"] == "slower-than-allreduce", warning
-    assert measured["samples_per_s"] < 0.8 * measured["allreduce_samples_per_s"] and measured["steps_per_exchange"] == 1
+    assert measured["samples_per_s"] < 0.8 * measured["allreduce_samples_per_s"]
+    assert round(measured["steps_per_exchange"]) == 1  # the model every step (the first step has no reply)
     assert measured["link_mb_per_s"] < 12.5  # what the 100 Mbit/s links carry, and no more
     assert "allreduce would make about" in run.warnings()[0] and "push_every=16" in run.warnings()[0]
     print(warning["message"])

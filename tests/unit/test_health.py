@@ -134,3 +134,11 @@ def test_a_strategy_that_exchanges_rarely_a_small_model_or_a_switch_raise_nothin
     assert warnings == []
     assert watch.observe(ssp[-2]) is None  # worker 0 has 16, worker 1 still 15
     assert watch.observe(ssp[-1])["reason"] == "slower-than-allreduce"
+
+
+def test_the_slowest_workers_link_counts_not_one_beside_the_server_over_loopback():
+    # Worker 0 holds the server's shard: its round trips take 0.01 s; worker 1's cross the link.
+    records = [r if r["worker"] == 1 or "comm_total_s" not in r else {**r, "comm_total_s": 0.01}
+               for r in _link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2)]
+    watch, (warning,) = _watch(records)
+    assert warning["measured"]["link_mb_per_s"] == pytest.approx(2 * MODEL_BYTES / 1.2 / 1e6)

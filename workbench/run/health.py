@@ -105,8 +105,11 @@ class LinkWatch:
     warning when `allreduce` would train faster on the link the run measured.
 
     The link's rate is read from the strategy's own exchanges: a round trip (`comm_total_s`) moves the
-    push (`bytes_sent`) and the reply (`bytes_received`) one after the other. Server time and a shared
-    shard's queue count as link time, so the estimate of `allreduce` errs low: a warning is earned."""
+    push (`bytes_sent`) and the reply (`bytes_received`) one after the other. Each worker's fastest round
+    trip reads its link (the others waited longer in the queue of a shard that serves every worker); the
+    slowest worker's link counts (a ring all-reduce goes at its pace; a worker beside the server's shard
+    exchanges over loopback). The server's time still counts as link time, so the estimate of
+    `allreduce` errs low: a warning is earned."""
 
     def __init__(self, model_bytes: int, batch: int) -> None:
         self.model_bytes, self.batch = model_bytes, batch
@@ -141,18 +144,20 @@ class LinkWatch:
 
     def reading(self) -> dict[str, Any] | None:
         """What the newest records say: the run's rate, the link's, and what allreduce would make."""
-        compute, rates, round_trips, moved, steps, exchanges = [], 0.0, [], 0.0, 0, 0
+        compute, rates, round_trips, links, steps, exchanges = [], 0.0, [], [], 0, 0
         for records in self._recent.values():
             compute.append(statistics.median(r["compute_s"] for r in records))
             span = records[-1]["time"] - records[0]["time"]
             rates += sum(r["samples"] for r in list(records)[1:]) / span if span > 0 else 0.0
             trips = [r for r in records if r.get("comm_total_s") and r.get("bytes_sent")]
+            if not trips:
+                return None  # a worker with no exchange yet: its link is not known
             round_trips += [r["comm_total_s"] for r in trips]
-            moved += sum(r["bytes_sent"] + (r.get("bytes_received") or 0) for r in trips)
+            links.append(max((r["bytes_sent"] + (r.get("bytes_received") or 0)) / r["comm_total_s"] for r in trips))
             steps, exchanges = steps + len(records), exchanges + len(trips)
-        if not exchanges or rates <= 0:
+        if rates <= 0:
             return None
-        link = moved / sum(round_trips)
+        link = min(links)
         return {"samples_per_s": rates, "link_mb_per_s": link / 1e6, "exchange_s": statistics.median(round_trips),
                 "compute_s": max(compute),
                 "steps_per_exchange": steps / exchanges,
