@@ -37,7 +37,7 @@ from workbench.run.checkpoints import CheckpointStore
 from workbench.run.export import Exports, check_export_options
 from workbench.run.feed import RunFeed, announce
 from workbench.run.health import LinkWatch, LossWatch
-from workbench.run.launcher import Group, check_batch_fits, resolve_client, wanted_workers
+from workbench.run.launcher import check_batch_fits, resolve_client, wanted_workers
 from workbench.run.lifecycle import Lifecycle
 from workbench.run.placement import Placement
 from workbench.run.requests import RequestServer
@@ -195,52 +195,6 @@ class Run(RunViews):
         self.stop_requested = False
         self.auto_pilot: AutoPilot | None = None  # strategy='auto': chooses and switches while the run trains
         self._panel: Any = None  # the notebook control panel, made when the run is first displayed
-
-    # --- the run's record -----------------------------------------------------------------------------
-
-    @property
-    def status(self) -> str:
-        """created, queued, running, paused, finished, stopped or failed (see `run/lifecycle.py`)."""
-        return self.lifecycle.status
-
-    @property
-    def done(self) -> bool:
-        return self.lifecycle.ended
-
-    @property
-    def error(self) -> str | None:
-        """Why the run failed, or None."""
-        return self.lifecycle.error
-
-    @property
-    def diverged(self) -> bool:
-        return self.lifecycle.diverged
-
-    @property
-    def final_weights(self) -> dict[str, torch.Tensor] | None:
-        return self.lifecycle.final_weights
-
-    @property
-    def group(self) -> Group | None:
-        """The workers training now (the supervisor starts and watches each group)."""
-        return self.supervisor.group
-
-    @property
-    def generation(self) -> int:
-        return self.group.generation if self.group else self._generation_before
-
-    @property
-    def worker_addresses(self) -> list[str]:
-        return self.group.addresses if self.group else []
-
-    @property
-    def total_steps(self) -> int:
-        return self.group.total_steps if self.group else 0
-
-    @property
-    def checkpoint_info(self) -> dict[str, Any] | None:
-        """The newest checkpoint written: step, path, time, generation."""
-        return self.checkpoints.info
 
     # --- starting -------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distributed.scheduler import KilledWorker
@@ -49,7 +50,7 @@ class Supervisor:
         self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
         self.recovering: int | None = None  # the group started after lost workers, until its phases are out
         self.thread: threading.Thread | None = None
-        self._disconnected_since: float | None = None
+        self.scheduler = SchedulerWatch(lambda: getattr(run.client, "status", "running"))
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.supervise, name=f"workbench-{self.run.run_id}", daemon=True)
@@ -91,8 +92,8 @@ class Supervisor:
                 run.lifecycle.fail_with(f"starting the run failed: {type(error).__name__}: {error}")
                 run.lifecycle.move("failed")
                 run.announce(kinds.RUN_STATUS, error=run.error)
-            elif self._scheduler_lost(error):
-                run.lifecycle.fail_with(self._scheduler_lost_message())
+            elif self.scheduler.lost(error):
+                run.lifecycle.fail_with(scheduler_lost_message(run))
             else:
                 run.lifecycle.fail_with(f"supervising the run failed: {type(error).__name__}: {error}")
                 self.end_group()
@@ -138,7 +139,7 @@ class Supervisor:
         futures, addresses = run.group.futures, list(run.group.addresses)
         watch = FutureWatch(futures)
         while not watch.wait(until_first_error=True, timeout=SUPERVISION_TICK_S):
-            self._check_scheduler()
+            self.scheduler.check()
             self._take_membership_changes()
             if self.roster.lost & set(addresses):
                 break
@@ -352,31 +353,39 @@ class Supervisor:
         run.control.update(stop=True, regroup=True)
         return following
 
-    # --- the scheduler --------------------------------------------------------------------------------
 
-    def _scheduler_lost(self, error: BaseException) -> bool:
-        return isinstance(error, SchedulerLost) or getattr(self.run.client, "status", "running") != "running" \
+class SchedulerWatch:
+    """Whether the client has lost its scheduler: the run's tasks, control state and actors went with it."""
+
+    def __init__(self, client_status: Callable[[], str]) -> None:
+        self.client_status = client_status
+        self._disconnected_since: float | None = None
+
+    def lost(self, error: BaseException) -> bool:
+        """Whether `error` (which ended supervision) came of a lost scheduler."""
+        return isinstance(error, SchedulerLost) or self.client_status() != "running" \
             or "scheduler-connection-lost" in str(error)
 
-    def _scheduler_lost_message(self) -> str:
-        run = self.run
-        directory, info = str(run.directory.path), run.checkpoints.info
-        kept = (f"its last checkpoint (step {info['step']} of {run.total_steps}) is kept in {directory}"
-                if info else f"no checkpoint was written yet, so nothing can be resumed from {directory}")
-        message = f"lost the connection to the Dask scheduler at {run.config['scheduler']}: the run ended; {kept}."
-        if info:
-            message += (f" Once a scheduler and workers are up again, go on with workbench.resume({directory!r}, "
-                        f"client=workbench.connect(scheduler=...)) or: workbench train --resume {directory} "
-                        "--scheduler ADDRESS")
-        return message
-
-    def _check_scheduler(self) -> None:
-        """Raise `SchedulerLost` once the client has been cut off from the scheduler for a while: the
-        run's tasks, control state and actors went with it, and Dask alone would wait 30 s to say so."""
-        if getattr(self.run.client, "status", "running") == "running":
+    def check(self) -> None:
+        """Raise `SchedulerLost` once the client has been cut off from the scheduler for a while: Dask alone
+        would wait 30 s to say so."""
+        if self.client_status() == "running":
             self._disconnected_since = None
             return
         if self._disconnected_since is None:
             self._disconnected_since = time.monotonic()
         elif time.monotonic() - self._disconnected_since >= SCHEDULER_LOST_AFTER_S:
-            raise SchedulerLost(self.run.client.status)
+            raise SchedulerLost(self.client_status())
+
+
+def scheduler_lost_message(run: Run) -> str:
+    """What a user reads when the scheduler is gone: where the last checkpoint is, and how to go on."""
+    directory, info = str(run.directory.path), run.checkpoints.info
+    kept = (f"its last checkpoint (step {info['step']} of {run.total_steps}) is kept in {directory}"
+            if info else f"no checkpoint was written yet, so nothing can be resumed from {directory}")
+    message = f"lost the connection to the Dask scheduler at {run.config['scheduler']}: the run ended; {kept}."
+    if info:
+        message += (f" Once a scheduler and workers are up again, go on with workbench.resume({directory!r}, "
+                    f"client=workbench.connect(scheduler=...)) or: workbench train --resume {directory} "
+                    "--scheduler ADDRESS")
+    return message

@@ -98,6 +98,56 @@ class RunViews:
     feed: Any
     placement: Any
     _panel: Any
+    lifecycle: Any
+    supervisor: Any
+    checkpoints: Any
+    _generation_before: int
+
+    # --- the run's record -----------------------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        """created, queued, running, paused, finished, stopped or failed (see `run/lifecycle.py`)."""
+        return self.lifecycle.status
+
+    @property
+    def done(self) -> bool:
+        return self.lifecycle.ended
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed, or None."""
+        return self.lifecycle.error
+
+    @property
+    def diverged(self) -> bool:
+        return self.lifecycle.diverged
+
+    @property
+    def final_weights(self) -> dict[str, Any] | None:
+        return self.lifecycle.final_weights
+
+    @property
+    def group(self) -> Any:
+        """The workers training now (the supervisor starts and watches each group)."""
+        return self.supervisor.group
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation if self.group else self._generation_before
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return self.group.addresses if self.group else []
+
+    @property
+    def total_steps(self) -> int:
+        return self.group.total_steps if self.group else 0
+
+    @property
+    def checkpoint_info(self) -> dict[str, Any] | None:
+        """The newest checkpoint written: step, path, time, generation."""
+        return self.checkpoints.info
 
     @property
     def settings(self) -> dict[str, Any]:
