@@ -147,14 +147,19 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     assert not run.events("worker-failed")
     left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}
     assert left <= {r for r in range(3) if r != victim}
-    # The run went on from its last checkpoint: what the survivors lost is at most one interval.
+    # The run went on from its last checkpoint: what the group lost is at most one interval. In lockstep
+    # that is the ranks' step; ranks at their own pace (the parameter-server strategies) are each at their
+    # own, and the group's step is their mean, which rank 0 checkpoints by (its own lags: its worker also
+    # serves the shard, 80 steps against the others' 185 once).
     first_group = [r for r in run.table.steps().to_dict("records") if r["time"] < regrouped[0]["time"]]
-    reached = max(r["step"] for r in first_group) + 1
+    last = {rank: max(r["step"] for r in first_group if r["worker"] == rank) + 1 for rank in range(3)}
+    independent = strategy in ("async", "ssp", "easgd")
+    reached = sum(last.values()) / 3 if independent else max(last.values())
     checkpoint_steps = sorted({e["step"] for e in run.events("checkpoint") if e["generation"] == 0})
     assert regrouped[0]["from_step"] == checkpoint_steps[-1]
     intervals = [b - a for a, b in zip([0] + checkpoint_steps, checkpoint_steps)]
     assert reached - regrouped[0]["from_step"] <= max(intervals + [every])
-    if strategy != "async":  # process-group strategies checkpoint at exact multiples
+    if not independent:  # process-group strategies checkpoint at exact multiples
         assert all(step % every == 0 for step in checkpoint_steps)
     # The second group of 2 workers trained to the end, and the model is good.
     assert len(run.worker_addresses) == 2 and run.progress() == 1.0

@@ -152,3 +152,60 @@ def test_resuming_from_a_missing_empty_or_checkpointless_directory_says_which(tm
     for name, words in expected.items():
         with pytest.raises(ResumeError, match=f"^run_dir=.*{words}"):
             load(tmp_path / name)
+
+
+# --- when ranks at their own pace checkpoint, and the step it is labelled with (worker/checkpoints.py) -----
+
+def _loop_of_independent_ranks(strategy, rank=0, start_step=0, total_steps=1000, every=40):
+    from types import SimpleNamespace
+
+    from workbench.worker.agreement import Independent
+    from workbench.worker.checkpoints import LoopCheckpoints
+    task = SimpleNamespace(rank=rank, start_step=start_step, total_steps=total_steps, checkpoint_every_steps=every)
+    loop = SimpleNamespace(task=task, step=start_step, strategy=strategy,
+                           control=SimpleNamespace(agreement=Independent()))
+    checkpoints = LoopCheckpoints(loop)
+    checkpoints.strategy_started()
+    return loop, checkpoints
+
+
+def _server_strategy(name, world_size, version=0, **settings):
+    from workbench.strategies import get_strategy, make_settings
+    strategy = get_strategy(name)(make_settings(name, settings))
+    strategy.world_size, strategy.start_version, strategy.known_version = world_size, version, version
+    return strategy
+
+
+def test_rank_zero_alone_checkpoints_when_the_groups_step_crosses_the_interval_not_its_own():
+    # Three ranks pushing every 2 steps: 60 pushes are 120 steps of the group, 40 per rank on average.
+    strategy = _server_strategy("async", world_size=3, push_every=2)
+    loop, checkpoints = _loop_of_independent_ranks(strategy)
+    loop.step = 25  # rank 0 lags (its worker serves the shard); the others went on
+    strategy.known_version = 59
+    assert checkpoints.group_step() == 39 and not checkpoints.due(None, 0)
+    strategy.known_version = 60
+    assert checkpoints.group_step() == 40 and checkpoints.due(None, 0)
+    assert not checkpoints.due(None, 0)  # once per crossing
+    strategy.known_version = 130  # 86 steps: the next multiple, 80, crossed once even when jumped past
+    assert checkpoints.due(None, 0) and not checkpoints.due(None, 0)
+    # Labelled with the group's step at the server version the checkpoint holds.
+    assert checkpoints.group_step(version=75) == 50
+
+
+def test_after_a_resume_or_a_switch_the_group_step_counts_on_from_where_the_strategy_started():
+    # Resumed at step 80 with the server at version 300 (from the checkpoint): nothing due at once.
+    strategy = _server_strategy("ssp", world_size=2, version=300, push_every=1)
+    loop, checkpoints = _loop_of_independent_ranks(strategy, start_step=80, every=40)
+    assert checkpoints.group_step() == 80 and not checkpoints.due(None, 0)
+    strategy.known_version = 379
+    assert checkpoints.group_step() == 119 and not checkpoints.due(None, 0)
+    strategy.known_version = 380
+    assert checkpoints.due(None, 0)
+    # Never past the run's end, and never a periodic one at the end.
+    loop.task.total_steps = 150
+    strategy.known_version = 600
+    assert checkpoints.group_step() == 150 and not checkpoints.due(None, 0)
+    # Other ranks never take one alone.
+    _, other = _loop_of_independent_ranks(_server_strategy("async", world_size=2, version=0), rank=1)
+    other.loop.strategy.known_version = 500
+    assert not other.due(None, 0)

@@ -208,6 +208,14 @@ class _ServerStrategy(Strategy):
         # The slowest worker's clock as last heard from the server; it only grows, so it is a safe
         # lower bound between replies.
         self.known_slowest_clock = 0
+        # The server's version when this group started with it, and the newest one heard of since.
+        self.start_version = self.known_version = self.restored_version
+
+    def group_steps(self, version: int | None = None) -> float:
+        """Steps each rank has made on average since `setup`, as the server counts them: every applied
+        push is one rank's window of `_send_every()` steps (at `version`, or the newest one replied)."""
+        version = self.known_version if version is None else version
+        return max(0, version - self.start_version) * self._send_every() / self.world_size
 
     def _start_weights(self, context: TrainingContext) -> torch.Tensor:
         """What the server starts from: this worker's weights (equal on every rank but for a switch that
@@ -247,6 +255,7 @@ class _ServerStrategy(Strategy):
         self.pending = None
         reply = merge_replies(replies)
         self.known_slowest_clock = max(self.known_slowest_clock, reply.slowest_clock)
+        self.known_version = max(self.known_version, reply.version)
         received = self._apply(reply)  # the compressed size, as it travelled
         return {"comm_s": exposed, "comm_total_s": round_trip_s, "staleness": reply.staleness,
                 "server_version": reply.version, "clock_gap": reply.clock_gap, "bytes_received": received}

@@ -28,6 +28,25 @@ class LoopCheckpoints:
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.last_step = -1  # the step of the last one taken (never two at one step)
+        # Ranks at their own pace: the step the running strategy started at, and the group's step at the
+        # last look (a periodic checkpoint is due when it crosses a multiple of the interval).
+        self.strategy_since = 0
+        self.group_seen = 0
+
+    def strategy_started(self) -> None:
+        """The loop set up a strategy (at the start or after a switch) at its current step."""
+        self.strategy_since = self.group_seen = self.loop.step
+
+    def group_step(self, version: int | None = None) -> int:
+        """Where the group is: this rank's step when the ranks step together; ranks at their own pace, the
+        mean of their steps as the server counts them (at `version`, or its newest known). Rank 0 decides
+        and labels a checkpoint it takes alone by this, not by its own step: its worker also serves a
+        shard and lags (80 steps against the others' 185 once, on 2 cores), and a checkpoint labelled with
+        its step would send every rank back to it."""
+        loop = self.loop
+        if loop.control.agreement.checkpoints_together:
+            return loop.step
+        return min(loop.task.total_steps, self.strategy_since + int(loop.strategy.group_steps(version)))
 
     def due(self, agreed: int | None, agreed_at: int) -> bool:
         """A checkpoint asked for and agreed on (`agreed`, to take at step `agreed_at`), or one every
@@ -35,15 +54,19 @@ class LoopCheckpoints:
 
         Process-group strategies: the same answer on every rank (they step together), and all take it.
         Parameter-server strategies: rank 0 takes it alone from the server, never holding the others
-        (their ranks do not meet at a step).
+        (their ranks do not meet at a step), each time the group's step crosses a multiple.
         """
         loop, task = self.loop, self.loop.task
         if agreed is not None and loop.step >= agreed_at:
             return True
         every = task.checkpoint_every_steps
-        return bool(every and loop.control.agreement.periodic_checkpoint(task.rank)
-                    and loop.step % every == 0 and task.start_step < loop.step < task.total_steps
-                    and loop.step != self.last_step)
+        if not every or not loop.control.agreement.periodic_checkpoint(task.rank):
+            return False
+        if loop.control.agreement.checkpoints_together:
+            return bool(loop.step % every == 0 and task.start_step < loop.step < task.total_steps
+                        and loop.step != self.last_step)
+        seen, self.group_seen = self.group_seen, self.group_step()
+        return self.group_seen // every > seen // every and self.group_seen < task.total_steps
 
     def take(self, final: bool = False) -> dict[str, Any] | None:
         """Collective: every rank adds its part; rank 0 assembles the checkpoint and leaves it for the
@@ -57,7 +80,7 @@ class LoopCheckpoints:
         if context.device.type == "cuda":  # dropout and other random layers on the GPU draw from its own generator
             own["cuda_rng"] = torch.cuda.get_rng_state(context.device)
         # Alone (rank 0 of a parameter-server run), the other ranks' own states are not in it: a resumed
-        # run then starts every rank at rank 0's step.
+        # run then starts every rank at the group's step.
         ranks = loop.comm.all_gather_objects(own) if together else None
         self.last_step = loop.step
         if task.rank != 0:
@@ -71,8 +94,9 @@ class LoopCheckpoints:
             raise DivergenceError(f"training diverged: the parameters became NaN or infinite by step {loop.step} "
                                   f"(found on worker {task.rank} while checkpointing). Lower the learning "
                                   "rate or check the data.")
+        step = min(part["step"] for part in ranks) if ranks else self.group_step(strategy_state.get("server_version"))
         checkpoint = {
-            "step": min(part["step"] for part in ranks) if ranks else loop.step, "weights": weights,
+            "step": step, "weights": weights,
             "optimizer": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in carried.optimizer_state.items()},
             "strategy": strategy.name, "settings": dataclasses.asdict(strategy.settings),
             "lr": context.optimizer.param_groups[0]["lr"], "strategy_state": to_host(strategy_state), "ranks": ranks,

@@ -225,6 +225,7 @@ class _Loop:
         if resume_from is not None:
             self.checkpoints.restore(context, resume_from)
         self.strategy.setup(context)
+        self.checkpoints.strategy_started()
         if resume_from is not None:  # a recovery's phase ends here (run/recovery.py)
             self.sender.event(kinds.RESTORED, step=self.step, generation=task.generation)
         loss_fn = loss_function(job)
@@ -330,6 +331,7 @@ class _Loop:
 
         self.strategy, event = switch_strategy(self.strategy, action.request, self.context, self.comm, new_optimizer)
         self.control.switched(action.request, self.strategy)
+        self.checkpoints.strategy_started()
         self.sender.event(kinds.SWITCHED, step=self.step, **event)
 
     def apply_lr(self) -> None:
