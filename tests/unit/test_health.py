@@ -142,3 +142,14 @@ def test_the_slowest_workers_link_counts_not_one_beside_the_server_over_loopback
                for r in _link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2)]
     watch, (warning,) = _watch(records)
     assert warning["measured"]["link_mb_per_s"] == pytest.approx(2 * MODEL_BYTES / 1.2 / 1e6)
+
+
+def test_the_link_is_judged_at_most_once_a_second_of_the_run_not_at_every_record(monkeypatch):
+    from workbench.run.health import LinkWatch
+
+    readings = []
+    original = LinkWatch.reading
+    monkeypatch.setattr(LinkWatch, "reading", lambda self: readings.append(1) or original(self))
+    # 3 workers, 200 steps of 0.08 s: 600 records over 16 s, none of them earning a warning.
+    watch, warnings = _watch(_link_records("async", every=16, step_s=0.08, round_trip_s=1.2, workers=3, steps=200))
+    assert warnings == [] and 10 <= len(readings) <= 16

@@ -89,6 +89,9 @@ LINK_WINDOW = 64  # step records per worker the link is judged over (the newest)
 LINK_MIN_RECORDS = 16  # judged once every worker has this many under the strategy
 LINK_MIN_MODEL_BYTES = 1 << 20  # below this an exchange's time is its latency, not the link's rate
 SLOWER_THAN = 0.8  # warn below this share of what allreduce would make
+# Judged at most this often (run time): every step record passes through here, on the client's metrics
+# handler, and a reading goes over every worker's window.
+LINK_JUDGE_EVERY_S = 1.0
 
 
 def allreduce_estimate(compute_s: list[float], batch: int, model_bytes: int, link_bytes_per_s: float) -> float:
@@ -115,17 +118,26 @@ class LinkWatch:
         self.model_bytes, self.batch = model_bytes, batch
         self._recent: dict[int, collections.deque[dict[str, Any]]] = {}
         self._strategy: str | None = None
+        self._short = 0  # workers with fewer than LINK_MIN_RECORDS records yet
+        self._judged_at = float("-inf")
         self.raised: set[str] = set()
 
     def observe(self, record: dict[str, Any]) -> dict[str, Any] | None:
         strategy = record.get("strategy")
         if strategy != self._strategy:  # a switch: judge the new strategy on its own records
-            self._strategy, self._recent = strategy, {}
+            self._strategy, self._recent, self._short, self._judged_at = strategy, {}, 0, float("-inf")
         if strategy not in SERVER_STRATEGIES or strategy in self.raised or self.model_bytes < LINK_MIN_MODEL_BYTES:
             return None
-        self._recent.setdefault(record["worker"], collections.deque(maxlen=LINK_WINDOW)).append(record)
-        if len(self._recent) < 2 or min(len(steps) for steps in self._recent.values()) < LINK_MIN_RECORDS:
+        recent = self._recent.get(record["worker"])
+        if recent is None:
+            recent = self._recent[record["worker"]] = collections.deque(maxlen=LINK_WINDOW)
+            self._short += 1
+        recent.append(record)
+        if len(recent) == LINK_MIN_RECORDS:
+            self._short -= 1
+        if len(self._recent) < 2 or self._short or record["time"] - self._judged_at < LINK_JUDGE_EVERY_S:
             return None
+        self._judged_at = record["time"]
         reading = self.reading()
         # Only where the link is the bound (an exchange takes longer than a step's compute): on shared cores
         # a server's work slows the workers' compute too, which no choice of link usage changes.
