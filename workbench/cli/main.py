@@ -30,8 +30,9 @@ from workbench.plane import checkpoint_format as checkpoints, kinds
 from workbench.run.autopilot import AUTO, START as AUTO_START
 from workbench.run import recovery
 from workbench.run.handle import resume, train
+from workbench.run.launcher import check_world
 from workbench.schedule import SCHEDULES
-from workbench.strategies import STRATEGIES, make_settings, suggested_sgd
+from workbench.strategies import STRATEGIES, get_strategy, make_settings, suggested_sgd
 
 EXIT_FAILED = 1
 BUILT_IN_COMMANDS = ("train",)
@@ -209,9 +210,12 @@ def _train(arguments: argparse.Namespace) -> int:
         eval_every=max(steps // TEXT_EVALUATIONS, 1) if text and steps else None,
     )
     settings = chosen_settings(arguments)
-    job.prepare()  # refuse bad values before a cluster is started
-    if arguments.strategy != AUTO:
-        make_settings(arguments.strategy, settings)
+    prepared = job.prepare()  # refuse bad values before a cluster is started
+    strategy = AUTO_START if arguments.strategy == AUTO else arguments.strategy
+    validated = make_settings(strategy, {} if arguments.strategy == AUTO else settings)  # auto: its own check
+    if not arguments.scheduler and arguments.workers:  # the embedded cluster's size, so the run's, is known
+        cluster_module.check_local_start(arguments.workers, oversubscribe=arguments.oversubscribe)
+        check_world(prepared, get_strategy(strategy), validated, arguments.workers, arguments.min_workers)
     return _with_client(arguments, lambda client: train(job, arguments.strategy, client=client,
                                                         workers=arguments.workers, run_dir=arguments.run_dir,
                                                         **fault_tolerance, **exports, **settings))

@@ -180,6 +180,22 @@ MAIN_GUARD_MESSAGE = (
     "\n        ...")
 
 
+def check_local_start(workers: int | None, kind: str = "auto", threads_per_worker: int = 1,
+                      oversubscribe: bool = False) -> str:
+    """What `connect` refuses before it starts a cluster here (see its arguments); returns the kind it
+    would start. The CLI asks first, so that the machine's capacity is said before the run's own checks."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ConfigError("workers", workers, "an integer >= 1")
+    if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+        raise ConfigError("threads_per_worker", threads_per_worker, "an integer >= 1")
+    chosen = choose_kind(kind, workers)
+    if not isinstance(oversubscribe, bool):
+        raise ConfigError("oversubscribe", oversubscribe, "True or False")
+    if chosen == "cpu" and not oversubscribe:
+        check_local_capacity(workers or 2, threads_per_worker, CPU_COUNT, MEMORY_LIMIT)
+    return chosen
+
+
 def connect(
     scheduler: str | None = None,
     workers: int | None = None,
@@ -210,15 +226,7 @@ def connect(
                           "Build one with workbench.security_from_files(ca_file, cert, key)")
     if scheduler is not None:
         return _connect_existing(scheduler, security, timeout_s)
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ConfigError("workers", workers, "an integer >= 1")
-    if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-        raise ConfigError("threads_per_worker", threads_per_worker, "an integer >= 1")
-    chosen = choose_kind(kind, workers)
-    if not isinstance(oversubscribe, bool):
-        raise ConfigError("oversubscribe", oversubscribe, "True or False")
-    if chosen == "cpu" and not oversubscribe:
-        check_local_capacity(workers or 2, threads_per_worker, CPU_COUNT, MEMORY_LIMIT)
+    chosen = check_local_start(workers, kind, threads_per_worker, oversubscribe)
     check_main_guard()
     if security is True:
         security = _temporary_security()  # made here, so a missing `cryptography` is a ConfigError

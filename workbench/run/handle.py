@@ -37,7 +37,7 @@ from workbench.run.checkpoints import CheckpointStore
 from workbench.run.export import Exports, check_export_options
 from workbench.run.feed import RunFeed, announce
 from workbench.run.health import LinkWatch, LossWatch
-from workbench.run.launcher import check_batch_fits, resolve_client, wanted_workers
+from workbench.run.launcher import check_world, resolve_client, wanted_workers
 from workbench.run.lifecycle import Lifecycle
 from workbench.run.placement import Placement
 from workbench.run.requests import RequestServer
@@ -213,10 +213,7 @@ class Run(RunViews):
         client = self.client = resolve_client(self.client)
         wanted = wanted_workers(client, self._requested_workers)
         # Everything the number of workers decides is checked now, not after a wait in the queue.
-        if self.min_workers > wanted:
-            raise ConfigError("min_workers", self.min_workers, f"at most {wanted}, the run's workers")
-        strategy_class.check_world(settings, wanted)
-        check_batch_fits(prepared, wanted)
+        check_world(prepared, strategy_class, settings, wanted, self.min_workers)
         if self.auto_pilot is not None:
             self.auto_pilot.chooser.workers = wanted
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"

@@ -114,6 +114,15 @@ def wanted_workers(client: Client, requested: int | None) -> int:
     return present if requested is None else requested
 
 
+def check_world(prepared: PreparedJob, strategy_class: Any, settings: Any, workers: int, min_workers: int) -> None:
+    """Everything the number of workers decides, checked before a worker is asked for (the CLI: before
+    its embedded cluster starts)."""
+    if min_workers > workers:
+        raise ConfigError("min_workers", min_workers, f"at most {workers}, the run's workers")
+    strategy_class.check_world(settings, workers)
+    check_batch_fits(prepared, workers)
+
+
 def check_batch_fits(prepared: PreparedJob, world_size: int) -> None:
     if isinstance(prepared.train, DaskArrayData):
         return  # shards follow where the blocks are; checked when they are placed
