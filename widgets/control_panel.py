@@ -17,6 +17,7 @@ import ipywidgets as ipw
 import workbench
 from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.evaluation import held_out_text
+from workbench.plane.link import limit_text
 from workbench.run import recovery, worker_spread
 from workbench.run.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
 from workbench.run.lifecycle import FINISHED_STATES
@@ -92,6 +93,7 @@ class ControlPanel:
         self.staleness_text = ipw.HTML()
         self.held_out_text = ipw.HTML()  # the newest held-out evaluation, as fits the task
         self.recovery_text = ipw.HTML()  # each recovery from lost workers: where its time went
+        self.link_text = ipw.HTML()  # what the link alone would allow, and the share of it the run reaches
         self._build_plots()
 
         controls = ipw.VBox([
@@ -103,7 +105,7 @@ class ControlPanel:
         plots = ipw.HBox([self.loss_figure, self.throughput_figure,
                           ipw.VBox([self.staleness_figure, self.staleness_text])])
         self.widget = ipw.VBox([self.title, ipw.HBox([self.progress, self.progress_text]), controls, plots,
-                                self.held_out_text, self.recovery_text, self.worker_table, self.links,
+                                self.held_out_text, self.link_text, self.recovery_text, self.worker_table, self.links,
                                 self.message])
 
     def _build_plots(self) -> None:
@@ -278,6 +280,8 @@ class ControlPanel:
         evaluations = s.get("evaluations") or []
         if evaluations:
             self.held_out_text.value = f"<small>{html.escape(held_out_text(evaluations[-1]))}</small>"
+        link = limit_text(s.get("link"))
+        self.link_text.value = f"<small>{html.escape(link)}</small>" if link else ""
         self.recovery_text.value = "".join(f"<div><small>{html.escape(recovery.describe(entry))}</small></div>"
                                            for entry in s.get("recoveries") or [])
         self.worker_table.value = _worker_table(s["workers"])

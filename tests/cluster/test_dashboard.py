@@ -132,6 +132,8 @@ def test_dashboard_follows_a_training_run_live_with_one_subscription(client, run
             assert rows.count() == 2
             for address in run.worker_addresses:
                 expect(page.locator(".worker-table table")).to_contain_text(address)
+            # What the link alone would allow the run, and the share of it the run reaches (plane/link.py).
+            expect(page.locator(".link-limit")).to_contain_text(re.compile(r"link: about .* of the link's limit"))
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             # The Workers tab says which run holds each of the cluster's workers (its lease), and who waits.

@@ -68,6 +68,10 @@ def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):
     sent, received = re.search(r"sent ([\d,.]+) KiB, received ([\d,.]+) KiB", lines["per step"]).groups()
     # Top-k both ways: 2% of the 4810-parameter MLP's 18.8 KiB each way.
     assert 0 < float(sent.replace(",", "")) < 1 and 0 < float(received.replace(",", "")) < 1
+    # What the link alone would allow and the share of it the run reached (on loopback: far from it).
+    assert re.search(r"^link: about [\d,.]+ MB/s, [\d,.]+ (B|KiB) a step per worker; the link alone would allow "
+                     r"[\d,]+ samples/s, compute alone [\d,]+; the run makes [\d,]+, \d+% of the link's limit "
+                     r"\((bound by compute|bound by the link|waiting bounds it)", lines["link"]), result.stdout
 
 
 @pytest.mark.parametrize("arguments,fragment", [

@@ -31,6 +31,7 @@ from workbench.run.autopilot import AUTO, START as AUTO_START
 from workbench.run import recovery
 from workbench.run.handle import resume, train
 from workbench.run.launcher import check_world
+from workbench.plane.link import limit_text
 from workbench.schedule import SCHEDULES
 from workbench.strategies import STRATEGIES, get_strategy, make_settings, suggested_sgd
 
@@ -320,6 +321,8 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
         print(f"per step: sent {summary['bytes_sent_per_step'] / 1024:,.1f} KiB, received "
               f"{summary.get('bytes_received_per_step', 0) / 1024:,.1f} KiB; communication hidden "
               f"behind compute: {summary.get('comm_hidden_fraction', 0):.0%}")
+    if summary.get("link"):  # what the link alone would allow, and the share of it the run reached
+        print(limit_text(summary["link"]))
     for text in summary.get("warnings", []):
         print(f"warning: {text}")
     for entry in summary.get("recoveries", []):

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.plane import kinds
+from workbench.plane.link import LinkBook
 from workbench.run import worker_spread
 
 STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
@@ -94,6 +95,7 @@ class MetricsTable:
         self._staleness_by_second: dict[int, list[float]] = {}  # second -> [staleness sum, pushes]
         self._divergence_by_step: dict[int, list[float]] = {}  # step -> [divergence sum, workers]
         self._per_worker: dict[int, dict[str, Any]] = collections.defaultdict(_worker_totals)
+        self._link = LinkBook()  # what the link allows the running strategy (plane/link.py)
         self.version = 0  # grows with every add, so a viewer can tell whether anything changed
 
     def add(self, records: Iterable[dict[str, Any]]) -> None:
@@ -105,6 +107,7 @@ class MetricsTable:
                     self._latest[record["worker"]] = record
                     self.steps_received += 1
                     self._aggregate(record)
+                    self._link.add(record)
                 else:
                     self._other.append(record)
                     self._follow_worker(record)
@@ -238,6 +241,12 @@ class MetricsTable:
         """The latest step record of each worker."""
         with self._lock:
             return dict(self._latest)
+
+    def link_limit(self, paced: Callable[[str | None], bool]) -> dict[str, Any] | None:
+        """The link's rate and what it allows the running strategy, against compute's limit and the run's
+        rate (`plane/link.py`); `paced(strategy)`: whether its ranks go at the slowest one's pace."""
+        with self._lock:
+            return self._link.limit(paced(self._link.strategy))
 
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes}."""

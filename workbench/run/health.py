@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 from typing import Any
 
 from workbench.plane import kinds
+from workbench.plane.link import LinkBook
 from workbench.strategies import suggested_sgd
 
 CLIMB_FACTOR = 2.0  # a recent loss this many times the starting loss ...
@@ -85,13 +85,10 @@ class LossWatch:
 
 
 SERVER_STRATEGIES = ("async", "ssp", "easgd")
-LINK_WINDOW = 64  # step records per worker the link is judged over (the newest)
 LINK_MIN_RECORDS = 16  # judged once every worker has this many under the strategy
 LINK_MIN_MODEL_BYTES = 1 << 20  # below this an exchange's time is its latency, not the link's rate
 SLOWER_THAN = 0.8  # warn below this share of what allreduce would make
-# Judged at most this often (run time): every step record passes through here, on the client's metrics
-# handler, and a reading goes over every worker's window.
-LINK_JUDGE_EVERY_S = 1.0
+LINK_JUDGE_EVERY_S = 1.0  # judged at most this often (seconds of run time)
 
 
 def allreduce_estimate(compute_s: list[float], batch: int, model_bytes: int, link_bytes_per_s: float) -> float:
@@ -107,35 +104,32 @@ class LinkWatch:
     """Feed it step records (`observe`); under a parameter-server strategy it returns, once per strategy, a
     warning when `allreduce` would train faster on the link the run measured.
 
-    The link's rate is read from the strategy's own exchanges: a round trip (`comm_total_s`) moves the
-    push (`bytes_sent`) and the reply (`bytes_received`) one after the other. Each worker's fastest round
-    trip reads its link (the others waited longer in the queue of a shard that serves every worker); the
-    slowest worker's link counts (a ring all-reduce goes at its pace; a worker beside the server's shard
-    exchanges over loopback). The server's time still counts as link time, so the estimate of
-    `allreduce` errs low: a warning is earned."""
+    The link is read as `plane/link.py` reads it, from the strategy's own exchanges: a round trip
+    (`comm_total_s`) moves the push (`bytes_sent`) and the reply (`bytes_received`) one after the other;
+    each worker's fastest round trip reads its link (the others waited longer in the queue of a shard
+    that serves every worker). The slowest worker's link counts (a ring all-reduce goes at its pace; a
+    worker beside the server's shard exchanges over loopback). The server's time still counts as link
+    time, so the estimate of `allreduce` errs low: a warning is earned."""
 
     def __init__(self, model_bytes: int, batch: int) -> None:
         self.model_bytes, self.batch = model_bytes, batch
-        self._recent: dict[int, collections.deque[dict[str, Any]]] = {}
-        self._strategy: str | None = None
-        self._short = 0  # workers with fewer than LINK_MIN_RECORDS records yet
+        self.book = LinkBook()
         self._judged_at = float("-inf")
         self.raised: set[str] = set()
 
     def observe(self, record: dict[str, Any]) -> dict[str, Any] | None:
         strategy = record.get("strategy")
-        if strategy != self._strategy:  # a switch: judge the new strategy on its own records
-            self._strategy, self._recent, self._short, self._judged_at = strategy, {}, 0, float("-inf")
-        if strategy not in SERVER_STRATEGIES or strategy in self.raised or self.model_bytes < LINK_MIN_MODEL_BYTES:
+        if self.model_bytes < LINK_MIN_MODEL_BYTES:
             return None
-        recent = self._recent.get(record["worker"])
-        if recent is None:
-            recent = self._recent[record["worker"]] = collections.deque(maxlen=LINK_WINDOW)
-            self._short += 1
-        recent.append(record)
-        if len(recent) == LINK_MIN_RECORDS:
-            self._short -= 1
-        if len(self._recent) < 2 or self._short or record["time"] - self._judged_at < LINK_JUDGE_EVERY_S:
+        if strategy != self.book.strategy:  # a switch: judge the new strategy on its own records
+            self._judged_at = float("-inf")
+        self.book.add(record)  # every strategy's: a switch away and back starts the book afresh
+        if strategy not in SERVER_STRATEGIES or strategy in self.raised:
+            return None
+        # Judged at most once a second of run time: every step record passes through here, on the client's
+        # metrics handler, and a reading goes over every worker's window.
+        if record["time"] - self._judged_at < LINK_JUDGE_EVERY_S or len(self.book.workers) < 2 \
+                or self.book.fewest_steps() < LINK_MIN_RECORDS:
             return None
         self._judged_at = record["time"]
         reading = self.reading()
@@ -156,21 +150,9 @@ class LinkWatch:
 
     def reading(self) -> dict[str, Any] | None:
         """What the newest records say: the run's rate, the link's, and what allreduce would make."""
-        compute, rates, round_trips, links, steps, exchanges = [], 0.0, [], [], 0, 0
-        for records in self._recent.values():
-            compute.append(statistics.median(r["compute_s"] for r in records))
-            span = records[-1]["time"] - records[0]["time"]
-            rates += sum(r["samples"] for r in list(records)[1:]) / span if span > 0 else 0.0
-            trips = [r for r in records if r.get("comm_total_s") and r.get("bytes_sent")]
-            if not trips:
-                return None  # a worker with no exchange yet: its link is not known
-            round_trips += [r["comm_total_s"] for r in trips]
-            links.append(max((r["bytes_sent"] + (r.get("bytes_received") or 0)) / r["comm_total_s"] for r in trips))
-            steps, exchanges = steps + len(records), exchanges + len(trips)
-        if rates <= 0:
+        limit = self.book.limit(paced=False)
+        if limit is None or limit["samples_per_s"] <= 0:
             return None
-        link = min(links)
-        return {"samples_per_s": rates, "link_mb_per_s": link / 1e6, "exchange_s": statistics.median(round_trips),
-                "compute_s": max(compute),
-                "steps_per_exchange": steps / exchanges,
-                "allreduce_samples_per_s": allreduce_estimate(compute, self.batch, self.model_bytes, link)}
+        estimate = allreduce_estimate(limit["compute_s_per_worker"], self.batch, self.model_bytes,
+                                      limit["link_mb_per_s"] * 1e6)
+        return {**limit, "allreduce_samples_per_s": estimate}

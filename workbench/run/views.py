@@ -13,6 +13,7 @@ from workbench.errors import ConfigError, TrainingError
 from workbench.evaluation import evaluate
 from workbench.job import loss_function
 from workbench.plane import kinds
+from workbench.strategies import STRATEGIES
 from workbench.plane.metrics import best_metric, communication_summary, control_markers, staleness_summary, time_split
 
 
@@ -25,7 +26,15 @@ def live_view(table: Any, **options: Any) -> dict[str, Any]:
     rate = table.throughput(5.0)
     for row in view["workers"]:
         row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
-    return {**view, "samples_per_s": rate["samples_per_s"], "markers": control_markers(table.events())}
+    return {**view, "samples_per_s": rate["samples_per_s"], "markers": control_markers(table.events()),
+            "link": table.link_limit(paced_by_slowest)}
+
+
+def paced_by_slowest(strategy: str | None) -> bool:
+    """Whether a strategy's ranks go at the slowest one's pace (in step, or within a bound of it)."""
+    known = STRATEGIES.get(strategy or "")
+    # One this client does not know: the cautious reading, at the slowest worker's pace.
+    return known.traits.paced_by_slowest if known is not None else True
 
 
 def snapshot(run: Any) -> dict[str, Any]:
@@ -68,6 +77,9 @@ def summary(run: Any) -> dict[str, Any]:
             result["staleness"] = {"mean": sum(s["mean"] * s["pushes"] for s in staleness.values()) / pushes,
                                    "max": max(s["max"] for s in staleness.values()), "per_worker": staleness}
         result.update(communication_summary(frame))
+        link = run.table.link_limit(paced_by_slowest)
+        if link is not None:  # what the link alone would allow, and the share of it the run reaches
+            result["link"] = link
     # Always present (None without evaluations): the dashboard lists an ended run from its summary alone
     # and reads its metrics only when someone opens it.
     result["best_metric"] = best_metric(run.table.events(kinds.EVAL))

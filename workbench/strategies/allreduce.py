@@ -75,7 +75,7 @@ class AllReduce(Strategy):
     name = "allreduce"
     settings_class = AllReduceSettings
     traits = Traits(summary="Synchronous: gradients averaged every step (like PyTorch DDP). Exact, chatty.",
-                    uses_process_group=True)
+                    uses_process_group=True, paced_by_slowest=True)
     keeps_gradient_buffers = True
 
     def __init__(self, settings: AllReduceSettings) -> None:

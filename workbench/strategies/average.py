@@ -103,7 +103,8 @@ class Average(Strategy):
     settings: AverageSettings
     traits = Traits(summary="Synchronous parameter averaging every `period` steps (local SGD). Less traffic, "
                             "some drift.",
-                    uses_process_group=True, local_weights_drift=True, own_optimizer_states=True)
+                    uses_process_group=True, paced_by_slowest=True, local_weights_drift=True,
+                    own_optimizer_states=True)
 
     def __init__(self, settings: AverageSettings) -> None:
         super().__init__(settings)

@@ -63,6 +63,9 @@ class Traits:
     summary: str = ""  # one line for the UI's strategy lists
     # The ranks meet on torch.distributed: control agreements and checkpoints are taken together.
     uses_process_group: bool = False
+    # The ranks go at the slowest one's pace over a run: in step, or held within a bound of it (ssp). What
+    # the link or compute allows is then the slowest worker's; otherwise each worker's own, summed.
+    paced_by_slowest: bool = False
     # The workers' weights drift apart between synchronisations: a checkpoint takes their mean.
     local_weights_drift: bool = False
     # Each worker steps its own optimizer and the states drift apart (local SGD: `average`, `easgd`). A

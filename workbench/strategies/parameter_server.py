@@ -537,7 +537,7 @@ class StaleSynchronous(AsyncSGD):
     traits = dataclasses.replace(
         AsyncSGD.traits, summary="Stale-synchronous parallel: as `async`, but a worker more than `max_staleness` "
                                  "clocks ahead of the slowest waits (0 = bulk-synchronous). Bounded staleness at "
-                                 "some waiting.")
+                                 "some waiting.", paced_by_slowest=True)
 
     def _collect(self, block: bool) -> dict[str, Any]:
         # A push's receipt shows the gap before this worker's SSP check; the gap it trains at is the

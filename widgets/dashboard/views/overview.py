@@ -11,6 +11,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import HoverTool
 
+from workbench.plane.link import limit_text
 from workbench.run import worker_spread
 
 from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, HtmlBlock, SharedRender, figure, send_markers
@@ -55,8 +56,10 @@ class RunOverview:
         # session renders again: that was a third of a session's redraw (measured with py-spy, 10 sessions).
         self.worker_table = HtmlBlock("worker-table")
         self.slowest = HtmlBlock("slowest-workers")
+        self.link = HtmlBlock("link-limit")  # what the link alone would allow, and the share the run reaches
         plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
         self.layout = pn.Column(
+            self.link.layout,
             pn.Row(plots[0], plots[1], sizing_mode="stretch_width"),
             pn.Row(self.staleness_now, plots[2], plots[3], sizing_mode="stretch_width"),
             pn.pane.Markdown("#### Workers"), self.slowest.layout, self.worker_table.layout,
@@ -89,6 +92,7 @@ class RunOverview:
             self._states = states
             self.screen.show("worker_table", self.worker_table, WORKER_TABLE(view))
             self.screen.show("slowest", self.slowest, SLOWEST(view))
+            self.screen.show("link", self.link, LINK(view))
 
 
 def _worker_table_html(view: dict[str, Any]) -> str:
@@ -100,6 +104,7 @@ def _worker_table_html(view: dict[str, Any]) -> str:
 
 WORKER_TABLE = SharedRender(_worker_table_html)
 SLOWEST = SharedRender(lambda view: escape(worker_spread.slowest_line(view["workers"])))
+LINK = SharedRender(lambda view: f"<small>{escape(limit_text(view.get('link')))}</small>" if view.get("link") else "")
 
 
 def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:
