@@ -502,6 +502,9 @@ class Cells:
         staleness = run.summary().get("staleness")
         if staleness:
             record["staleness_mean"] = staleness["mean"]
+        link = window_link(inside, strategy)
+        if link is not None:  # what the link alone allowed in the window, and the share of it reached
+            record["link"] = link
         return record
 
     def _time_box(self, run: Any, cycle: int) -> dict[str, Any]:
@@ -716,6 +719,19 @@ def lab_job() -> Any:
 
     data = synthetic(n_samples=N_SAMPLES, n_features=784).train
     return workbench.Job(model=workbench.mlp(784, 10, HIDDEN), data=data, batch_size=BATCH, steps=10**7, lr=LR)
+
+
+def window_link(inside: Any, strategy: str) -> dict[str, Any] | None:
+    """The link's limit over a window's step records, read as the run reads it (`plane/link.py`)."""
+    from workbench.plane.link import LinkBook
+    from workbench.run.views import paced_by_slowest
+
+    book = LinkBook()
+    for record in inside.sort_values("time").to_dict("records"):
+        book.add(record)
+    limit = book.limit(paced_by_slowest(strategy))
+    return None if limit is None else {key: limit[key] for key in (
+        "link_mb_per_s", "bytes_per_step", "link_samples_per_s", "compute_samples_per_s", "share_of_link", "bound")}
 
 
 def window_staleness(frame: Any, started: float, inside: Any) -> float | None:

@@ -66,3 +66,18 @@ def test_staleness_is_every_workers_pushes_over_one_interval():
     assert inside["staleness"].mean() == pytest.approx((4 * 1 + 4 * 10) / (32 + 4))
     # No pushes, no staleness.
     assert network.window_staleness(frame.drop(columns="staleness"), started, inside) is None
+
+
+def test_the_window_reads_the_links_limit_as_the_run_does_from_a_frame_with_gaps():
+    # Two ssp workers exchanging the 7.45 MB model each way every step in 1.2 s; the frame's NaN where a
+    # field is missing counts as nothing.
+    network = load_benchmark("network")
+    rows = [{"worker": w, "step": s, "time": 100 + 1.27 * s, "samples": 128, "compute_s": 0.07, "comm_s": 0.0,
+             "strategy": "ssp", "bytes_sent": 7_450_000.0 if s else float("nan"),
+             "bytes_received": 7_450_000.0 if s else float("nan"), "comm_total_s": 1.2 if s else float("nan")}
+            for s in range(32) for w in range(2)]
+    link = network.window_link(pd.DataFrame(rows), "ssp")
+    assert link["bound"] == "link" and link["link_mb_per_s"] == pytest.approx(2 * 7.45 / 1.2)
+    assert link["link_samples_per_s"] == pytest.approx(2 * 128 / (1.2 * 31 / 32))  # the first step sent nothing
+    assert network.window_link(pd.DataFrame(rows).assign(bytes_sent=float("nan"), bytes_received=float("nan")),
+                               "ssp") is None
