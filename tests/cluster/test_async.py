@@ -54,6 +54,26 @@ def test_sharded_server_gives_the_same_result_as_one_shard(client):
     assert not torch.equal(one, weights)
 
 
+def _held_actors(prefix, dask_worker=None):
+    return [str(key) for key in dask_worker.state.actors if prefix in str(key)]
+
+
+def test_a_released_server_goes_even_while_a_handle_to_it_is_still_held(client):
+    # A handle caught elsewhere (a call's closure, a traceback) holds a claim of its own on its shard's
+    # key; released, the server's handles let go of it too, so the shard goes at once, not at the next
+    # full garbage collection of whoever still holds the handle.
+    job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1)
+    handle = start_parameter_server(client, "held-handle", present_workers(client), torch.randn(4810), job, 2, 2,
+                                    staleness_aware_lr=False)
+    held = list(handle.actors)
+    server = ServerClient(handle, timeout_s=30)
+    assert server.stats()[0]["version"] == 0
+    assert sum(len(keys) for keys in client.run(_held_actors, "held-handle").values()) == 2
+    handle.release()
+    wait_until(lambda: not any(client.run(_held_actors, "held-handle").values()), timeout_s=30)
+    assert len(held) == 2 and handle.actors == []
+
+
 def test_server_applies_the_optimizer_exactly_with_staleness_aware_lr(client):
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9)
     weights = torch.randn(4810)

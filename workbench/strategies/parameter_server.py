@@ -37,7 +37,7 @@ from workbench.server.compression import (
     validate_compression,
 )
 from workbench.server.replies import KnownWeights
-from workbench.server.shards import Call, Replies, ServerClient, ServerHandle, merge_replies
+from workbench.server.shards import Call, Replies, ServerClient, ServerHandle, let_go, merge_replies
 from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, Traits
 
 
@@ -321,6 +321,8 @@ class _ServerStrategy(Strategy):
                              daemon=True).start()
         elif pending is not None:
             _wait_quietly(pending, bound_s)
+        if self.server is not None:  # this worker's claims on the shards, whoever still holds a handle
+            let_go(self.server.actors)
         self.pending = self.server = pending = None
 
     def _flush(self, context: TrainingContext) -> None:
