@@ -30,6 +30,7 @@ from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster, Security
 from distributed.system import MEMORY_LIMIT
 
+from workbench.cluster.restarts import keep_restarting_nannies
 from workbench.errors import ClusterError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ def connect(
                 n_workers=workers or 2, threads_per_worker=threads_per_worker, processes=True,
                 dashboard_address=dashboard_address, security=security, **cluster_options,
             )
+        keep_restarting_nannies(local)  # a worker killed twice within 15 s comes back (cluster/restarts.py)
         client = Client(local, security=local.security if security is not None else None)
     client._workbench_owns_cluster = True  # type: ignore[attr-defined]
     return client
