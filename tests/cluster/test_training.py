@@ -201,3 +201,22 @@ def test_a_torch_dataset_trains_and_any_client_can_subscribe_to_the_metrics(clie
     steps = [r for r in received if r["kind"] == "step"]
     assert steps and {r["worker"] for r in steps} == {0, 1}
     assert run.evaluate()["accuracy"] >= 0.9
+
+
+def _held_results(run_id, dask_scheduler=None):
+    """Keys of the run's tasks (its ranks) and checkpoint fetches the scheduler still keeps."""
+    return [str(key) for key, task in dask_scheduler.tasks.items()
+            if run_id in str(key) or str(key).startswith("take_snapshot-")]
+
+
+def test_a_finished_run_leaves_no_result_in_the_workers_memory(client, run_dir):
+    # Its ranks' results (the final weights, a checkpoint) and the checkpoints fetched while it trained go
+    # from the workers once taken: a result still held is computed again when its worker dies, which ran
+    # a finished run's rank task again on another worker.
+    job = helpers.digits_job(lr=0.05, epochs=2, batch_size=16)
+    run = workbench.train(job, "allreduce", client=client, run_dir=run_dir, checkpoint_every_steps=10,
+                          checkpoint_every_s=None)
+    assert run.wait(timeout=120) == "finished"
+    assert [e for e in run.events("checkpoint") if not e.get("final")]  # fetched while it trained
+    wait_until(lambda: not client.run_on_scheduler(_held_results, run.run_id), timeout_s=30)
+    assert run.evaluate()["accuracy"] > 0.5  # the run itself keeps what it took

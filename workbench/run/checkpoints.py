@@ -66,12 +66,16 @@ class CheckpointStore:
             generation, address = current()
             if message.get("generation") != generation or address is None:
                 continue
+            fetched = None
             try:
                 fetched = client.submit(checkpoints.take_snapshot, run_id, workers=[address],
                                         allow_other_workers=False, pure=False)
                 checkpoint = fetched.result(timeout=timeout_s)
             except Exception:
                 continue  # rank 0 was lost with it: the previous checkpoint stands
+            finally:  # the worker's copy goes now, not when the next one is fetched (or again if lost)
+                if fetched is not None:
+                    fetched.release()
             if checkpoint is not None:
                 self.store(checkpoint)
 

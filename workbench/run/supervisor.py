@@ -112,8 +112,18 @@ class Supervisor:
                 run.stop_watching()
             # However the run ended, its workers are free for the next run (before wait() returns).
             if getattr(run.client, "status", None) == "running":
+                self._release_results()
                 run.placement.give_back()
             run.ended.set()
+
+    def _release_results(self) -> None:
+        """Let the last group's rank results (the final weights, a checkpoint) leave the workers' memory,
+        taken as they are: a result someone still holds is computed again when its worker dies, and a run's
+        rank task ran again on another worker, long after its run had finished (seen after a killed worker:
+        "caused the cluster to lose already computed task(s), which will be recomputed elsewhere")."""
+        if self.group is not None:
+            for future in self.group.futures:
+                future.release()
 
     def _start_when_workers_are_free(self) -> bool:
         """Wait in the queue, then start; False when the run ended there (stopped, or its place lost)."""
