@@ -67,6 +67,33 @@ def test_ranks_paced_by_the_slowest_go_at_its_pace_and_ranks_on_their_own_each_a
     assert _limit(records, paced=False)["compute_samples_per_s"] == pytest.approx(128 / 0.05 + 128 / 0.1)
 
 
+def test_a_rank_ahead_within_the_staleness_bound_does_not_count_as_speed_the_group_sustains():
+    # ssp with the shards on rank 0's host: its exchanges stay local and it runs ahead (a step every 1.0 s
+    # over the window read) while rank 1 pays 1.25 s on the link each step (a step every 1.3 s). The group
+    # goes at rank 1's pace: 2 x 128 samples every 1.3 s, under the 2 x 128 every 1.25 s the link allows.
+    ahead = _records("ssp", 24, 1.0, 0.02, sent=MODEL_BYTES, received=MODEL_BYTES, took=0.01, workers=1)
+    behind = [{**record, "worker": 1} for record in
+              _records("ssp", 18, 1.3, 0.02, sent=MODEL_BYTES, received=MODEL_BYTES, took=1.25, workers=1)]
+    limit = _limit(sorted(ahead + behind, key=lambda record: record["time"]), paced=True)
+    assert limit["samples_per_s"] == pytest.approx(2 * 128 / 1.3)
+    assert limit["link_samples_per_s"] == pytest.approx(2 * 128 / 1.25)
+    assert limit["share_of_link"] == pytest.approx(1.25 / 1.3) and limit["bound"] == "link"
+    # Ranks on their own (async) are each at their own pace.
+    assert _limit(ahead + behind, paced=False)["samples_per_s"] == pytest.approx(128 / 1.0 + 128 / 1.3)
+
+
+def test_exchanges_queued_on_a_link_they_share_are_time_on_the_link_not_waiting():
+    # Two ranks push to and fetch from the server on a third host: its link carries both, so when their
+    # exchanges meet, each takes longer (1.7 s) than one alone (1.25 s, the link's rate); a step every 1.75 s.
+    records = _records("ssp", 32, 1.75, 0.02, sent=MODEL_BYTES, received=MODEL_BYTES, took=1.25)
+    for record in records[4:]:
+        if record["step"] % 4:
+            record["comm_total_s"] = 1.7
+    limit = _limit(records, paced=True)
+    assert limit["link_samples_per_s"] == pytest.approx(2 * 128 / 1.25) and limit["share_of_link"] < 0.8
+    assert limit["bound"] == "link"
+
+
 def test_time_spent_neither_computing_nor_exchanging_is_called_waiting():
     # A step every second, of which 0.07 s compute and 0.1 s on the link: the rest is waiting (a straggler,
     # a queue at the server).
