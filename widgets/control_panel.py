@@ -18,7 +18,8 @@ import workbench
 from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.evaluation import held_out_text
 from workbench.plane.link import limit_text
-from workbench.run import recovery, worker_spread
+from workbench.plane import worker_spread
+from workbench.run import recovery
 from workbench.run.autopilot import AUTO, SUMMARY as AUTO_SUMMARY
 from workbench.run.lifecycle import FINISHED_STATES
 from workbench.strategies import STRATEGIES, get_strategy

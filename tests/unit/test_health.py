@@ -88,7 +88,7 @@ def _link_records(strategy, every, step_s, round_trip_s, workers=2, steps=64, co
     records = []
     for step in range(steps):
         for worker in range(workers):
-            record = {"worker": worker, "step": step, "time": 100.0 + step * step_s, "samples": 128,
+            record = {"kind": "step", "worker": worker, "step": step, "time": 100.0 + step * step_s, "samples": 128,
                       "compute_s": compute_s, "strategy": strategy, "loss": 1.0}
             if (step + 1) % every == 0:
                 record.update(comm_total_s=round_trip_s, bytes_sent=MODEL_BYTES, bytes_received=MODEL_BYTES)
@@ -99,8 +99,15 @@ def _link_records(strategy, every, step_s, round_trip_s, workers=2, steps=64, co
 def _watch(records, model_bytes=MODEL_BYTES):
     from workbench.run.health import LinkWatch
 
-    watch = LinkWatch(model_bytes=model_bytes, batch=128)
-    return watch, [w for w in (watch.observe(r) for r in records) if w is not None]
+    from workbench.plane.metrics import MetricsTable
+    from workbench.run.views import paced_by_slowest
+
+    # As the run's feed does: the table takes each record, then the watch reads the table's link.
+    table = MetricsTable()
+    watch = LinkWatch(model_bytes=model_bytes, batch=128,
+                      limit=lambda fewest: table.link_limit(paced_by_slowest, fewest))
+    watch.feed = lambda record: table.add([record]) or watch.observe(record)
+    return watch, [w for w in (watch.feed(r) for r in records) if w is not None]
 
 
 def test_ssp_exchanging_the_model_every_step_on_a_thin_link_is_told_allreduce_would_be_faster():
@@ -115,7 +122,7 @@ def test_ssp_exchanging_the_model_every_step_on_a_thin_link_is_told_allreduce_wo
     assert measured["allreduce_samples_per_s"] == pytest.approx(2 * 128 / (0.07 + 0.6), rel=0.01)
     assert "allreduce would make about 382 on this link" in warning["message"]
     assert "one exchange of the model every 1 step, 1.20 s each" in warning["message"]
-    assert watch.raised == {"ssp"} and watch.observe(_link_records("ssp", 1, 1.2, 1.2)[-1]) is None
+    assert watch.raised == {"ssp"} and watch.feed(_link_records("ssp", 1, 1.2, 1.2)[-1]) is None
 
 
 def test_a_strategy_that_exchanges_rarely_a_small_model_or_a_switch_raise_nothing_or_start_afresh():
@@ -132,8 +139,8 @@ def test_a_strategy_that_exchanges_rarely_a_small_model_or_a_switch_raise_nothin
     ssp = _link_records("ssp", every=1, step_s=1.2, round_trip_s=1.2, steps=LINK_MIN_RECORDS)
     watch, warnings = _watch(_link_records("average", every=4, step_s=0.1, round_trip_s=0.5) + ssp[:-2])
     assert warnings == []
-    assert watch.observe(ssp[-2]) is None  # worker 0 has 16, worker 1 still 15
-    assert watch.observe(ssp[-1])["reason"] == "slower-than-allreduce"
+    assert watch.feed(ssp[-2]) is None  # worker 0 has 16, worker 1 still 15
+    assert watch.feed(ssp[-1])["reason"] == "slower-than-allreduce"
 
 
 def test_the_slowest_workers_link_counts_not_one_beside_the_server_over_loopback():
@@ -147,9 +154,12 @@ def test_the_slowest_workers_link_counts_not_one_beside_the_server_over_loopback
 def test_the_link_is_judged_at_most_once_a_second_of_the_run_not_at_every_record(monkeypatch):
     from workbench.run.health import LinkWatch
 
-    readings = []
+    from workbench.run.health import LINK_MIN_RECORDS
+
+    readings = []  # whether each call read the link (True) or found too few records yet (cheap, False)
     original = LinkWatch.reading
-    monkeypatch.setattr(LinkWatch, "reading", lambda self: readings.append(1) or original(self))
+    monkeypatch.setattr(LinkWatch, "reading", lambda self: (lambda r: readings.append(r is not None) or r)(original(self)))
     # 3 workers, 200 steps of 0.08 s: 600 records over 16 s, none of them earning a warning.
     watch, warnings = _watch(_link_records("async", every=16, step_s=0.08, round_trip_s=1.2, workers=3, steps=200))
-    assert warnings == [] and 10 <= len(readings) <= 16
+    assert warnings == [] and 10 <= sum(readings) <= 16
+    assert readings.count(False) <= 3 * LINK_MIN_RECORDS  # only until every worker has its records

@@ -1,4 +1,4 @@
-"""Views of many workers (workbench/run/worker_spread.py): the distribution over workers, the slowest first,
+"""Views of many workers (workbench/plane/worker_spread.py): the distribution over workers, the slowest first,
 and the dashboard session drawing a 256-worker run with as much data per redraw as a 4-worker one."""
 import json
 
@@ -8,7 +8,7 @@ import pytest
 from widgets.dashboard.access import Access
 from widgets.dashboard.app import DashboardSession
 from widgets.dashboard.hub import Hub
-from workbench.run import worker_spread
+from workbench.plane import worker_spread
 from workbench.plane.metrics import MetricsTable
 
 

@@ -74,10 +74,6 @@ class LinkBook:
         if moved > 0 and took > 0:
             entry.exchanges.append((moved, took))
 
-    def fewest_steps(self) -> int:
-        """Step records held by the worker with the fewest, among those counted (0 with none)."""
-        return min((len(entry.steps) for entry in self._current()), default=0)
-
     def _current(self) -> list[_Worker]:
         """The workers of the newest strategy still reporting."""
         entries = [e for e in self.workers.values() if e.strategy == self.strategy and e.steps]
@@ -86,11 +82,12 @@ class LinkBook:
         newest = max(e.steps[-1][0] for e in entries)
         return [e for e in entries if newest - e.steps[-1][0] <= max(STALE_FLOOR_S, STALE_STEPS * _interval(e))]
 
-    def limit(self, paced: bool) -> dict[str, Any] | None:
+    def limit(self, paced: bool, min_records: int = 2) -> dict[str, Any] | None:
         """The link's rate and limit, compute's limit, the run's rate and its bound (see the module's
-        docstring); None until every current worker has two step records and one exchange."""
+        docstring); None until every current worker has `min_records` step records (at least two) and one
+        exchange."""
         entries = self._current()
-        if not entries or any(len(e.steps) < 2 or not e.exchanges for e in entries):
+        if not entries or any(len(e.steps) < max(2, min_records) or not e.exchanges for e in entries):
             return None
         samples = [statistics.median(s for _, s, _ in e.steps) for e in entries]
         compute = [statistics.median(c for _, _, c in e.steps) for e in entries]

@@ -17,7 +17,7 @@ import pandas as pd
 
 from workbench.plane import kinds
 from workbench.plane.link import LinkBook
-from workbench.run import worker_spread
+from workbench.plane import worker_spread
 
 STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
 
@@ -242,11 +242,12 @@ class MetricsTable:
         with self._lock:
             return dict(self._latest)
 
-    def link_limit(self, paced: Callable[[str | None], bool]) -> dict[str, Any] | None:
+    def link_limit(self, paced: Callable[[str | None], bool], min_records: int = 2) -> dict[str, Any] | None:
         """The link's rate and what it allows the running strategy, against compute's limit and the run's
-        rate (`plane/link.py`); `paced(strategy)`: whether its ranks go at the slowest one's pace."""
+        rate (`plane/link.py`; None until every worker has `min_records` step records under it);
+        `paced(strategy)`: whether its ranks go at the slowest one's pace."""
         with self._lock:
-            return self._link.limit(paced(self._link.strategy))
+            return self._link.limit(paced(self._link.strategy), min_records)
 
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes}."""

@@ -42,7 +42,7 @@ from workbench.run.lifecycle import Lifecycle
 from workbench.run.placement import Placement
 from workbench.run.requests import RequestServer
 from workbench.run.supervisor import Supervisor
-from workbench.run.views import RunViews
+from workbench.run.views import RunViews, paced_by_slowest
 from workbench.strategies import get_strategy, make_settings
 from workbench.worker.host import describe_device
 
@@ -282,7 +282,8 @@ class Run(RunViews):
         self.supervisor.start_group(addresses, self._resume_from)
         self.config.update(shard_samples=self.group.shard_samples, total_steps=self.total_steps)
         # A dense float32 gradient: what allreduce would send (the link watch's yardstick).
-        self.feed.link_watch = LinkWatch(model_bytes=4 * prepared.n_parameters, batch=self.job.batch_size)
+        self.feed.link_watch = LinkWatch(model_bytes=4 * prepared.n_parameters, batch=self.job.batch_size,
+                                         limit=lambda fewest: self.table.link_limit(paced_by_slowest, fewest))
         self.feed.loss_watch = LossWatch(self.total_steps, first_step=self._resume_from["step"] if resumed else 0,
                                          strategy=self.strategy, momentum=self.job.momentum)
         self.directory.write_json(CONFIG_FILE, self.config)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from typing import Any
 
 from workbench.plane import kinds
-from workbench.plane.link import LinkBook
 from workbench.strategies import suggested_sgd
 
 CLIMB_FACTOR = 2.0  # a recent loss this many times the starting loss ...
@@ -101,19 +101,21 @@ def allreduce_estimate(compute_s: list[float], batch: int, model_bytes: int, lin
 
 
 class LinkWatch:
-    """Feed it step records (`observe`); under a parameter-server strategy it returns, once per strategy, a
-    warning when `allreduce` would train faster on the link the run measured.
+    """Fed every step record after the run's metrics table took it (`observe`); under a parameter-server
+    strategy it returns, once per strategy, a warning when `allreduce` would train faster on the link the
+    run measured.
 
-    The link is read as `plane/link.py` reads it, from the strategy's own exchanges: a round trip
-    (`comm_total_s`) moves the push (`bytes_sent`) and the reply (`bytes_received`) one after the other;
-    each worker's fastest round trip reads its link (the others waited longer in the queue of a shard
-    that serves every worker). The slowest worker's link counts (a ring all-reduce goes at its pace; a
-    worker beside the server's shard exchanges over loopback). The server's time still counts as link
-    time, so the estimate of `allreduce` errs low: a warning is earned."""
+    The link is the table's reading (`limit(min_records)`, `plane/link.py`, the one the summary and the live views
+    show), from the strategy's own exchanges: a round trip (`comm_total_s`) moves the push (`bytes_sent`)
+    and the reply (`bytes_received`) one after the other; each worker's fastest round trip reads its link
+    (the others waited longer in the queue of a shard that serves every worker). The slowest worker's link
+    counts (a ring all-reduce goes at its pace; a worker beside the server's shard exchanges over
+    loopback). The server's time still counts as link time, so the estimate of `allreduce` errs low: a
+    warning is earned."""
 
-    def __init__(self, model_bytes: int, batch: int) -> None:
-        self.model_bytes, self.batch = model_bytes, batch
-        self.book = LinkBook()
+    def __init__(self, model_bytes: int, batch: int, limit: Callable[[int], dict[str, Any] | None]) -> None:
+        self.model_bytes, self.batch, self.limit = model_bytes, batch, limit
+        self._strategy: str | None = None
         self._judged_at = float("-inf")
         self.raised: set[str] = set()
 
@@ -121,21 +123,23 @@ class LinkWatch:
         strategy = record.get("strategy")
         if self.model_bytes < LINK_MIN_MODEL_BYTES:
             return None
-        if strategy != self.book.strategy:  # a switch: judge the new strategy on its own records
-            self._judged_at = float("-inf")
-        self.book.add(record)  # every strategy's: a switch away and back starts the book afresh
+        if strategy != self._strategy:  # a switch: judge the new strategy on its own records
+            self._strategy, self._judged_at = strategy, float("-inf")
         if strategy not in SERVER_STRATEGIES or strategy in self.raised:
             return None
         # Judged at most once a second of run time: every step record passes through here, on the client's
         # metrics handler, and a reading goes over every worker's window.
-        if record["time"] - self._judged_at < LINK_JUDGE_EVERY_S or len(self.book.workers) < 2 \
-                or self.book.fewest_steps() < LINK_MIN_RECORDS:
+        if record["time"] - self._judged_at < LINK_JUDGE_EVERY_S:
+            return None
+        reading = self.reading()  # None, and cheap, until every worker has LINK_MIN_RECORDS
+        if reading is None:
             return None
         self._judged_at = record["time"]
-        reading = self.reading()
+        if reading["strategy"] != strategy or reading["workers"] < 2:
+            return None
         # Only where the link is the bound (an exchange takes longer than a step's compute): on shared cores
         # a server's work slows the workers' compute too, which no choice of link usage changes.
-        if reading is None or reading["exchange_s"] <= reading["compute_s"] \
+        if reading["exchange_s"] <= reading["compute_s"] \
                 or reading["samples_per_s"] >= SLOWER_THAN * reading["allreduce_samples_per_s"]:
             return None
         self.raised.add(strategy)
@@ -150,7 +154,7 @@ class LinkWatch:
 
     def reading(self) -> dict[str, Any] | None:
         """What the newest records say: the run's rate, the link's, and what allreduce would make."""
-        limit = self.book.limit(paced=False)
+        limit = self.limit(LINK_MIN_RECORDS)
         if limit is None or limit["samples_per_s"] <= 0:
             return None
         estimate = allreduce_estimate(limit["compute_s_per_worker"], self.batch, self.model_bytes,

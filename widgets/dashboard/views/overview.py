@@ -1,6 +1,6 @@
 """The "Run" tab: the picked run at a glance. Throughput per worker and in total, the loss by step with
 control markers, staleness now, over time and as a histogram, and the table of workers. Past a few workers
-(`workbench.run.worker_spread`) the per-worker lines give way to the median and the p10-p90 band, the slowest
+(`workbench.plane.worker_spread`) the per-worker lines give way to the median and the p10-p90 band, the slowest
 workers are named, and the table shows the slowest first."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import panel as pn
 from bokeh.models import HoverTool
 
 from workbench.plane.link import limit_text
-from workbench.run import worker_spread
+from workbench.plane import worker_spread
 
 from .common import COLOURS, MARKER_COLOUR, MARKER_COLUMNS, Context, HtmlBlock, SharedRender, figure, send_markers
 
