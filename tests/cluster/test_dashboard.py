@@ -376,10 +376,13 @@ def test_a_256_worker_run_shows_its_spread_and_its_slowest_workers_not_256_lines
             page.screenshot(path=str(ARTIFACTS / "dashboard-256-workers.png"), full_page=True)
             page.context.close()
     finally:
+        # Their records were seen: the emulators are not waited for to the end of their `seconds`.
         for emulator in emulators:
-            emulator.join(timeout=seconds + 30)
+            emulator.terminate()
+            emulator.join(timeout=30)
             if emulator.is_alive():
                 emulator.kill()
+                emulator.join(timeout=30)
         # Ended, so that no later dashboard on this cluster follows it as its newest run.
         announce(client, {"kind": kinds.RUN_STATUS, "run_id": run_id, "status": "stopped"})
 

@@ -3,6 +3,7 @@ profiler, and GPU gauges for the step records. Nothing here knows about runs or 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 import time
@@ -49,6 +50,7 @@ def configure_worker_for_training(worker: Any) -> bool:
     """
     torch.set_num_threads(max(1, int(getattr(worker.state, "nthreads", 1))))
     tuned = keep_freed_memory()
+    freeze_what_is_loaded()
 
     def stop_profiler() -> None:
         for name in ("profile", "profile-cycle"):
@@ -58,6 +60,25 @@ def configure_worker_for_training(worker: Any) -> bool:
 
     worker.loop.add_callback(stop_profiler)
     return tuned
+
+
+_frozen = False
+
+
+def freeze_what_is_loaded() -> None:
+    """Leave the objects alive before this process's first run (torch's, Dask's, the worker's: several
+    hundred thousand) out of the cyclic garbage collector's full scans, once per process.
+
+    A rank leaving its group runs a full collection so that its process group's sockets and a parameter
+    server's handles go at once (`worker/loop.py`), on the path of every run's end and every regroup: it
+    scanned all of them each time, 0.19-0.24 s here, against 0.07-0.08 s frozen (measured). Full scans
+    during training get as much shorter. What is frozen is never collected as a cycle: the first run's own
+    arguments may be among it; anything not in a cycle is still freed by its reference count."""
+    global _frozen
+    if not _frozen:
+        gc.collect()
+        gc.freeze()
+        _frozen = True
 
 
 # glibc's mallopt parameters (malloc.h).
