@@ -1,6 +1,7 @@
 """Fault tolerance on a real 3-worker cluster: workers killed mid-run, workers joining, a client killed and
 its run resumed, divergence, and interrupts. Each test kills or adds real worker processes.
 """
+import functools
 import json
 import os
 import signal
@@ -52,11 +53,14 @@ def _slow_loss(outputs, targets):
 _loss_calls = {"count": 0}
 
 
-def _loss_stalling_on_rank_2(outputs, targets):
-    # Rank 2 hangs once, at its 60th step, for longer than the others' collective timeout.
+def _loss_stalling_on_rank_2(outputs, targets, wake):
+    # Rank 2 hangs once, at its 60th step, for longer than the others' collective timeout: until the test
+    # has seen the run finish without it (`wake` written), 3 timeouts at most.
     _loss_calls["count"] += 1
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 2 and _loss_calls["count"] == 60:
-        time.sleep(3 * TIMEOUT_S)
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        while not os.path.exists(wake) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a file the test writes: nothing to wait on across processes
     return _slow_loss(outputs, targets)
 
 
@@ -187,7 +191,9 @@ def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup
 @pytest.mark.timeout(240)
 def test_a_stuck_worker_is_treated_as_lost_after_the_timeout(cluster3, tmp_path):
     cluster3.wait_for_workers(3, timeout=60)
-    run = workbench.train(_digits_job(_loss_stalling_on_rank_2), "allreduce", client=cluster3, run_dir=tmp_path,
+    wake = tmp_path / "wake"
+    run = workbench.train(_digits_job(functools.partial(_loss_stalling_on_rank_2, wake=str(wake))), "allreduce",
+                          client=cluster3, run_dir=tmp_path,
                           collective_timeout_s=TIMEOUT_S,
                           checkpoint_every_steps=20, checkpoint_every_s=None)
     stuck = run.worker_addresses[2]
@@ -202,6 +208,7 @@ def test_a_stuck_worker_is_treated_as_lost_after_the_timeout(cluster3, tmp_path)
     assert stuck not in run.worker_addresses and len(run.worker_addresses) == 2
     assert _accuracy(run) >= 0.9
     # It leaves once it wakes up, seeing its group was ended: the worker is free again.
+    wake.touch()
     wait_until(lambda: _no_process_groups(cluster3), timeout_s=60)
 
 

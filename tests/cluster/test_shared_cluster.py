@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -161,6 +162,9 @@ def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(
             [sys.executable, "-m", "workbench", "train", "--scheduler", scheduler, "--workers", "1", "--queue",
              "--dataset", "digits", "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        said = []  # the command's lines on stderr, as it says them
+        reader = threading.Thread(target=lambda: said.extend(command.stderr), daemon=True)
+        reader.start()
         wait_until(lambda: len(leases.view(client)["queue"]) == 3, timeout_s=60, interval_s=0.1)
         view = leases.view(client)
         assert [w["run_id"] for w in view["queue"]][:2] == [waiting.run_id, later.run_id]
@@ -180,6 +184,8 @@ def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(
         later.stop()  # leaves the queue without ever starting
         assert later.wait(30) == "stopped" and later.directory is None
         assert [w["run_id"] for w in leases.view(client)["queue"]][:1] == [waiting.run_id]
+        # The command line says it moved up (it asks twice a second) before the workers free.
+        wait_until(lambda: any("(place 2 in the queue" in line for line in said), timeout_s=30, interval_s=0.1)
         first.wait_for_step(5)
         stopping = time.time()
         first.stop()
@@ -187,10 +193,12 @@ def test_the_queue_keeps_its_order_shows_places_and_starts_runs_as_workers_free(
         # The two waiting runs (two workers, then one) start on the three freed workers, side by side.
         assert waiting.wait(120) == "finished"
         assert waiting.events("run-started")[0]["time"] >= stopping and waiting.config["queued_s"] > 0
-        out, err = command.communicate(timeout=180)
+        command.wait(timeout=180)  # what it prints on stdout is a few lines: no pipe fills up
+        out = command.stdout.read()
+        reader.join(timeout=30)
+        err = "".join(said)
         assert command.returncode == 0, err
-        assert "waits for 1 free workers (place 3 in the queue; run " in err
-        assert "(place 2 in the queue" in err and "finished" in out
+        assert "waits for 1 free workers (place 3 in the queue; run " in err and "finished" in out
     finally:
         first.interrupt(5)
         if command is not None:

@@ -217,6 +217,22 @@ def test_a_link_at_the_edge_does_not_flap():
     assert choices == ["average"]
 
 
+def test_a_straggler_under_averaging_is_read_as_a_straggler_not_a_slow_link():
+    # Average p64: worker 2 computes at 40% of the others' speed, so at each sync workers 0 and 1 wait for
+    # it, 64 x 1.5 of their steps; its own sync (it arrives last) takes 2 ms.
+    records = []
+    for step in range(64 * 3):
+        for worker, compute_s in ((0, 0.002), (1, 0.002), (2, 0.005)):
+            synced = (step + 1) % 64 == 0
+            records.append({"worker": worker, "step": step, "time": 100 + 0.005 * step, "samples": 32,
+                            "compute_s": compute_s, "comm_s": 0.0,
+                            "comm_total_s": (0.002 if worker == 2 else 0.194) if synced else None})
+    window = measure(records, "average")
+    assert window.exchange_s == pytest.approx(0.002) and window.slowest == 2
+    strategy, settings, reason = fitting(window, {"period": 64, "wire_dtype": "bf16", "overlap": True})
+    assert strategy == "easgd" and reason.startswith("worker 2 computes at 40% of the others' speed")
+
+
 def test_a_window_is_measured_from_step_records():
     records = []
     for step in range(5):
@@ -241,6 +257,8 @@ def test_a_window_is_measured_from_step_records():
         record["comm_total_s"] = 0.5 if record["worker"] == 0 else 2.0
     records[-1]["comm_total_s"] = 0.1
     assert measure(records, "easgd").exchange_s == 2.0
+    # Synchronous: the worker that waited least for the others times the exchange itself.
+    assert measure(records, "average").exchange_s == 0.5
     assert measure(records[:4], "allreduce") is None
 
     # Only exchanges that landed after `since` (per worker) count: each is evidence once.

@@ -112,14 +112,20 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
     for worker, steps in by_worker.items():
         span = max(r["time"] for r in steps) - min(r["time"] for r in steps)
         rates[worker] = sum(r["samples"] for r in steps[1:]) / span if span > 0 else 0.0
-    # The exchanges seen (every all-reduce; averaging syncs, pushes answered), per worker. The slowest
-    # worker's decides: under easgd, workers behind a slow link exchange rarely, and a median over all
-    # exchanges would be the fast ones'. A worker with none in the window: its exchange is not known yet.
+    # The exchanges seen (every all-reduce; averaging syncs, pushes answered), per worker. Asynchronous:
+    # the slowest worker's decides (under easgd, workers behind a slow link exchange rarely, and a median
+    # over all exchanges would be the fast ones'). Synchronous: every worker times the same collective, and
+    # what one times beyond another's is waiting for a later arrival: the one that waited least (the
+    # straggler, which arrives last) times the exchange itself. Read as the slowest, a worker at 40% of
+    # the others' CPU (lab) made averaging's syncs read 307 steps of compute, a link too slow for bf16
+    # period 64, and `auto` moved for the link instead of the straggler (the full suite, once).
+    # A worker with none in the window: its exchange is not known yet.
     field = "comm_s" if strategy == "allreduce" else "comm_total_s"
     since = since or {}
     costs = {w: [r[field] for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
              for w, steps in by_worker.items()}
-    exchange = max(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
+    pick = min if strategy in SYNCHRONOUS else max
+    exchange = pick(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
     return Window(strategy, compute, rates, exchange)
 
 
