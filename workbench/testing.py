@@ -183,6 +183,9 @@ class ThreadTransport:
         vector.copy_(self._sum(vector))  # done at once: nothing to overlap with in one process
         return DONE  # a handle, never None: strategies take None for "not started"
 
+    def start_all_gather(self, part: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+        return DONE, [other.clone() for other in self._all(part)]
+
     def wait(self, work: Any) -> None:
         pass
 

@@ -18,6 +18,7 @@ import typing
 from typing import Any
 
 from workbench.comm.averaging import WIRE_DTYPES
+from workbench.comm.sparse_outer import BITS
 from workbench.server.compression import COMPRESSIONS
 from workbench.strategies import STRATEGIES, get_strategy
 
@@ -26,6 +27,7 @@ CHOICES: dict[str, tuple[tuple[str, Any], ...]] = {
     "compression": tuple((c, c) for c in COMPRESSIONS),
     "reply_compression": (("as compression", None),) + tuple((c, c) for c in COMPRESSIONS),
     "wire_dtype": tuple((d, d) for d in WIRE_DTYPES),
+    "sparse_bits": tuple((str(b), b) for b in BITS),
 }
 
 

@@ -176,6 +176,11 @@ def all_reduce_bytes_sent(payload_bytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * payload_bytes // world_size if world_size > 1 else 0
 
 
+def all_gather_bytes_sent(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-gather of one `payload_bytes` part from every rank: N - 1 parts."""
+    return (world_size - 1) * payload_bytes
+
+
 def encode_weights(local: torch.Tensor, base: torch.Tensor, dtype: torch.dtype, world_size: int) -> torch.Tensor:
     """What a worker puts on the wire for a sum all-reduce whose result `decode_average` turns into the
     workers' mean weights.

@@ -438,6 +438,13 @@ def start_all_reduce(vector: torch.Tensor) -> Any:
     return dist.all_reduce(vector, async_op=True)
 
 
+def start_all_gather(part: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+    """Begin gathering every rank's `part` (the same shape on every rank) in the background; returns the
+    work handle for `wait` and the list the parts land in, in rank order."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    return dist.all_gather(parts, part, async_op=True), parts
+
+
 def when_done(work: Any, callback: Callable[[Any], Any]) -> None:
     """Call `callback` once the collective `work` (from `start_all_reduce`) has completed."""
     work.get_future().add_done_callback(callback)

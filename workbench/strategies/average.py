@@ -25,13 +25,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from workbench.checks import check_positive_int, check_positive_number
+from workbench.comm import sparse_outer
 from workbench.comm.averaging import (
     WIRE_DTYPES,
+    all_gather_bytes_sent,
     all_reduce_bytes_sent,
     decode_average,
     delayed_apply,
@@ -62,6 +65,11 @@ class AverageSettings(StrategySettings):
     """Outer (DiLoCo) learning rate on the averaged change; 1 with outer_momentum 0 is plain averaging."""
     outer_momentum: float = 0.0
     """Outer Nesterov momentum (DiLoCo uses outer_lr 0.7, outer_momentum 0.9 with periods of hundreds)."""
+    sparse_density: float | None = None
+    """Send only this share of each worker's change, the largest, with error feedback (SparseLoCo: 0.01-0.03);
+    None sends it whole."""
+    sparse_bits: int = 2
+    """Bits per value sent when `sparse_density` is set: 2, 4 or 8."""
 
     def validate(self) -> None:
         check_positive_int("period", self.period)
@@ -79,14 +87,22 @@ class AverageSettings(StrategySettings):
         momentum = self.outer_momentum
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ConfigError("outer_momentum", momentum, "a number in [0, 1), e.g. 0.9 (0 = no momentum)")
+        if self.sparse_density is not None:
+            sparse_outer.check_sparse(self.sparse_density, self.sparse_bits)
+            if self.wire_dtype != "float32":
+                raise ConfigError("wire_dtype", self.wire_dtype, "'float32' while sparse_density is set",
+                                  f"A sparse exchange sends {self.sparse_bits}-bit values already; leave wire_dtype out")
+            if self.average_optimizer_state:
+                raise ConfigError("average_optimizer_state", True, "False while sparse_density is set",
+                                  "A sparse exchange sends the weights' change only")
 
 
 @dataclasses.dataclass
 class _Exchange:
-    """One all-reduce of the workers' weights started at a sync (overlap) and not applied yet."""
+    """One exchange of the workers' weights started at a sync (overlap) and not applied yet."""
 
     work: Any
-    summed: torch.Tensor  # the wire payload, summed over the ranks in place once `work` completes
+    mean: Callable[[], torch.Tensor]  # the workers' mean weights, once `work` completes
     base: torch.Tensor  # the global weights it was encoded against
     snapshot: torch.Tensor  # this worker's weights when it started: the progress since is its own
     launched: float
@@ -129,6 +145,10 @@ class Average(Strategy):
         self.outer_buffer = buffer.to(weights.device, copy=True) if fits else None
         self.exchange: _Exchange | None = None
         self.settled_s = 0.0  # waited for an exchange at the control point since the last sync (`settle`)
+        # A sparse exchange's encoder: what this worker has not sent yet is its residual.
+        density = self.settings.sparse_density
+        self.feedback = None if density is None else sparse_outer.OuterFeedback(
+            weights.numel(), density, self.settings.sparse_bits, weights.device)
 
     def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
         self.restored = strategy_state
@@ -141,6 +161,8 @@ class Average(Strategy):
         if self.exchange is not None:
             global_weights, buffer = self._outer_step(self._arrived())
             carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
+        if self.feedback is not None:  # a worker's progress not sent yet is its own too
+            carried.weights = carried.weights + self.feedback.residual
         context.comm.all_reduce_mean(carried.weights)
         # On the CPU: the checkpoint travels to the client, which may have no GPU.
         return carried, {"steps_since_sync": self.steps_since_sync,
@@ -184,8 +206,10 @@ class Average(Strategy):
     def finish(self, context: TrainingContext) -> None:
         if self.exchange is not None:
             self._land()
-        if self.steps_since_sync > 0:  # progress not averaged yet (after landing, the progress since it started)
-            self._synchronise(context)
+        if self._fold_residual() or self.steps_since_sync > 0:
+            # Progress not averaged yet (after landing, the progress since it started; and what a sparse
+            # exchange held back): the last average is whole.
+            self._synchronise(context, whole=True)
 
     def common_base(self, context: TrainingContext) -> torch.Tensor | None:
         # The global weights, once the exchange in flight has landed: the next strategy goes on from each
@@ -193,7 +217,18 @@ class Average(Strategy):
         # model-sized exchange: measured 1.2-2.3 s of a 2.8 s switch to easgd at 20 Mbit/s).
         if self.exchange is not None:
             self._land()
+        self._fold_residual()
         return self.global_weights
+
+    def _fold_residual(self) -> bool:
+        """Put what a sparse exchange held back into this worker's weights (its own progress again), as the
+        next exchange would have sent it: True if there was any."""
+        if self.feedback is None or not bool(self.feedback.residual.any()):
+            return False
+        weights = flatten(self.parameters) + self.feedback.residual
+        unflatten_into(weights, [p.data for p in self.parameters])
+        self.feedback.residual.zero_()
+        return True
 
     def close(self) -> None:
         # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the
@@ -226,21 +261,20 @@ class Average(Strategy):
 
     # --- the two kinds of sync -----------------------------------------------------------------------
 
-    def _synchronise(self, context: TrainingContext) -> dict[str, Any]:
-        """Blocking: average now, apply the outer step, every worker continues from the new global weights."""
+    def _synchronise(self, context: TrainingContext, whole: bool = False) -> dict[str, Any]:
+        """Blocking: average now, apply the outer step, every worker continues from the new global weights
+        (`whole`: every worker's whole change, never sparse)."""
         local = flatten(self.parameters)
-        dtype = WIRE_DTYPES[self.settings.wire_dtype]
-        summed = encode_weights(local, self.global_weights, dtype, self.world_size)
+        work, mean, sent = self._encode(local, whole)
         launched = time.perf_counter()
-        self.comm.wait(self.comm.start_all_reduce(summed))
-        # The all-reduce alone, apart from the sync's own copies around it (flatten, encode, the
+        self.comm.wait(work)
+        # The exchange alone, apart from the sync's own copies around it (flatten, encode, the
         # divergence, copying back): what a capacity model needs to tell the wire from the local work.
         exchange_s = time.perf_counter() - launched
-        average = decode_average(summed, self.global_weights, self.world_size)
+        average = mean()
         divergence = relative_divergence(local, average)
         self.global_weights, self.outer_buffer = self._outer_step(average)
         unflatten_into(self.global_weights, [p.data for p in self.parameters])
-        sent = summed.numel() * summed.element_size()
         if self.settings.average_optimizer_state:
             state = optimizer_state_tensors(context.optimizer)
             if state:
@@ -248,10 +282,25 @@ class Average(Strategy):
                 vector = flatten(state)
                 self.comm.all_reduce_mean(vector)
                 unflatten_into(vector, state)
-                sent += vector.numel() * vector.element_size()
+                sent += all_reduce_bytes_sent(vector.numel() * vector.element_size(), self.world_size)
         self.steps_since_sync = 0
-        return {"divergence": divergence, "bytes_sent": all_reduce_bytes_sent(sent, self.world_size),
-                "exchange_s": exchange_s}
+        return {"divergence": divergence, "bytes_sent": sent, "exchange_s": exchange_s}
+
+    def _encode(self, weights: torch.Tensor, whole: bool = False) -> tuple[Any, Callable[[], torch.Tensor], int]:
+        """Start the exchange of this worker's `weights` (flat, kept unchanged until it lands): the work,
+        how to read the workers' mean weights once it is done, and the bytes each worker sends."""
+        base, world = self.global_weights, self.world_size
+        if self.feedback is None or whole:
+            summed = encode_weights(weights, base, WIRE_DTYPES[self.settings.wire_dtype], world)
+            work = self.comm.start_all_reduce(summed)
+            return (work, lambda: decode_average(summed, base, world),
+                    all_reduce_bytes_sent(summed.numel() * summed.element_size(), world))
+        density, bits = self.feedback.density, self.feedback.bits
+        wire = sparse_outer.to_wire(self.feedback.encode(weights - base))
+        work, parts = self.comm.start_all_gather(wire)
+        # Every rank adds the same packets in rank order: the same mean on every worker, bit for bit.
+        return (work, lambda: base + sparse_outer.mean_of_wires(parts, base.numel(), density, bits),
+                all_gather_bytes_sent(wire.numel(), world))
 
     def _overlapped_sync(self) -> dict[str, Any]:
         """Apply the exchange started one period ago (waiting only if it is still running), start the next."""
@@ -271,19 +320,17 @@ class Average(Strategy):
 
     def _start_exchange(self, snapshot: torch.Tensor) -> int:
         """Start the all-reduce of this worker's weights `snapshot` (flat, kept unchanged until it lands)."""
-        summed = encode_weights(snapshot, self.global_weights, WIRE_DTYPES[self.settings.wire_dtype],
-                                self.world_size)
-        work = self.comm.start_all_reduce(summed)
-        self.exchange = _Exchange(work, summed, self.global_weights, snapshot, time.perf_counter())
+        work, mean, sent = self._encode(snapshot)
+        self.exchange = _Exchange(work, mean, self.global_weights, snapshot, time.perf_counter())
         self.comm.when_done(work, self.exchange.note_finished)
-        return all_reduce_bytes_sent(summed.numel() * summed.element_size(), self.world_size)
+        return sent
 
     def _arrived(self) -> torch.Tensor:
         """The workers' mean weights of the exchange in flight, waiting for it if it is still running."""
         exchange = self.exchange
         if exchange.average is None:
             self.comm.wait(exchange.work)
-            exchange.average = decode_average(exchange.summed, exchange.base, self.world_size)
+            exchange.average = exchange.mean()
         return exchange.average
 
     def _land(self) -> tuple[float, torch.Tensor]:
