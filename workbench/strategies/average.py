@@ -206,9 +206,12 @@ class Average(Strategy):
     def finish(self, context: TrainingContext) -> None:
         if self.exchange is not None:
             self._land()
-        if self._fold_residual() or self.steps_since_sync > 0:
-            # Progress not averaged yet (after landing, the progress since it started; and what a sparse
-            # exchange held back): the last average is whole.
+        sparse = self.feedback is not None
+        self._fold_residual()
+        # Progress not averaged yet (after landing, the progress since it started; under a sparse exchange
+        # always what it held back): the last average is whole. Decided on what every rank shares, never on
+        # its own residual, so that all ranks make that collective or none.
+        if sparse or self.steps_since_sync > 0:
             self._synchronise(context, whole=True)
 
     def common_base(self, context: TrainingContext) -> torch.Tensor | None:
@@ -220,15 +223,13 @@ class Average(Strategy):
         self._fold_residual()
         return self.global_weights
 
-    def _fold_residual(self) -> bool:
+    def _fold_residual(self) -> None:
         """Put what a sparse exchange held back into this worker's weights (its own progress again), as the
-        next exchange would have sent it: True if there was any."""
-        if self.feedback is None or not bool(self.feedback.residual.any()):
-            return False
-        weights = flatten(self.parameters) + self.feedback.residual
-        unflatten_into(weights, [p.data for p in self.parameters])
-        self.feedback.residual.zero_()
-        return True
+        next exchange would have sent it."""
+        if self.feedback is not None:
+            weights = flatten(self.parameters) + self.feedback.residual
+            unflatten_into(weights, [p.data for p in self.parameters])
+            self.feedback.residual.zero_()
 
     def close(self) -> None:
         # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the
