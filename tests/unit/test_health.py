@@ -158,7 +158,12 @@ def test_the_link_is_judged_at_most_once_a_second_of_the_run_not_at_every_record
 
     readings = []  # whether each call read the link (True) or found too few records yet (cheap, False)
     original = LinkWatch.reading
-    monkeypatch.setattr(LinkWatch, "reading", lambda self: (lambda r: readings.append(r is not None) or r)(original(self)))
+    def reading(self):
+        result = original(self)
+        readings.append(result is not None)
+        return result
+
+    monkeypatch.setattr(LinkWatch, "reading", reading)
     # 3 workers, 200 steps of 0.08 s: 600 records over 16 s, none of them earning a warning.
     watch, warnings = _watch(_link_records("async", every=16, step_s=0.08, round_trip_s=1.2, workers=3, steps=200))
     assert warnings == [] and 10 <= sum(readings) <= 16

@@ -137,10 +137,12 @@ STORE_RETRY_S = 0.01  # between connects to rank 0's store while it does not lis
 
 def await_listening(host: str, port: int, timeout_s: float) -> bool:
     """Return once something listens at host:port (True), or once `timeout_s` of refused connects have
-    passed (False); at once (True) on any other error, which the store's own connect then reports. torch's store client, refused, backs off for
-    0.3-0.5 s before it tries again: a rank that asked a moment before rank 0 opened its store paid that
-    in about one group in three here (measured), every run's start and every regroup; probing with a
-    plain connect every 10 ms pays 10 ms at most. The store takes the probe's empty connection in stride."""
+    passed (False); at once (True) on any other error, which the store's own connect then reports.
+
+    torch's store client, refused, backs off for 0.3-0.5 s before it tries again: a rank that asked a
+    moment before rank 0 opened its store paid that in about one group in three here (measured), at every
+    run's start and every regroup; probing with a plain connect every 10 ms pays 10 ms at most. The store
+    takes the probe's empty connection in stride."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()

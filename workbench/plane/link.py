@@ -104,7 +104,8 @@ class LinkBook:
             return sum(s / t if t > 0 else float("inf") for s, t in zip(samples, step_s))
 
         link_limit, compute_limit = rate(link), rate(compute)
-        typical = [moved / statistics.median(m / took for m, took in e.exchanges) for moved, e in zip(per_step, entries)]
+        typical = [moved / statistics.median(m / took for m, took in e.exchanges)
+                   for moved, e in zip(per_step, entries)]
         one_after_other = rate([c + t for c, t in zip(compute, typical)])
         bound = "link" if link_limit < compute_limit else "compute"
         if made < WAITING_SHARE * one_after_other:

@@ -105,13 +105,13 @@ class LinkWatch:
     strategy it returns, once per strategy, a warning when `allreduce` would train faster on the link the
     run measured.
 
-    The link is the table's reading (`limit(min_records)`, `plane/link.py`, the one the summary and the live views
-    show), from the strategy's own exchanges: a round trip (`comm_total_s`) moves the push (`bytes_sent`)
-    and the reply (`bytes_received`) one after the other; each worker's fastest round trip reads its link
-    (the others waited longer in the queue of a shard that serves every worker). The slowest worker's link
-    counts (a ring all-reduce goes at its pace; a worker beside the server's shard exchanges over
-    loopback). The server's time still counts as link time, so the estimate of `allreduce` errs low: a
-    warning is earned."""
+    The link is the table's reading (`limit(min_records)`, `plane/link.py`: the one the summary and the
+    live views show), from the strategy's own exchanges: a round trip (`comm_total_s`) moves the push
+    (`bytes_sent`) and the reply (`bytes_received`) one after the other; each worker's fastest round trip
+    reads its link (the others waited longer in the queue of a shard that serves every worker). The
+    slowest worker's link counts (a ring all-reduce goes at its pace; a worker beside the server's shard
+    exchanges over loopback). The server's time still counts as link time, so the estimate of `allreduce`
+    errs low: a warning is earned."""
 
     def __init__(self, model_bytes: int, batch: int, limit: Callable[[int], dict[str, Any] | None]) -> None:
         self.model_bytes, self.batch, self.limit = model_bytes, batch, limit

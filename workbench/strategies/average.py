@@ -91,7 +91,8 @@ class AverageSettings(StrategySettings):
             sparse_outer.check_sparse(self.sparse_density, self.sparse_bits)
             if self.wire_dtype != "float32":
                 raise ConfigError("wire_dtype", self.wire_dtype, "'float32' while sparse_density is set",
-                                  f"A sparse exchange sends {self.sparse_bits}-bit values already; leave wire_dtype out")
+                                  f"A sparse exchange sends {self.sparse_bits}-bit values already; leave "
+                                  "wire_dtype out")
             if self.average_optimizer_state:
                 raise ConfigError("average_optimizer_state", True, "False while sparse_density is set",
                                   "A sparse exchange sends the weights' change only")

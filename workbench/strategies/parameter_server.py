@@ -311,7 +311,7 @@ class _ServerStrategy(Strategy):
         # Each actor call leaves a self-referencing closure in Dask (`Actor.__getattr__`) holding the actor
         # handle, which holds the actor's future: without a collection the shards would live on until the
         # worker's next cyclic garbage collection, which whoever drops the strategy runs (the loop as the
-        # rank leaves, `switch_strategy` after a switch: one collection, 0.2-0.4 s, not two). A call still
+        # rank leaves, `switch_strategy` after a switch: one collection, 0.07-0.4 s, not two). A call still
         # in flight is let finish first (bounded): its closure is collectable only then. When the group was
         # ended, off the leaving path: the call's shard may be gone with a lost worker, and waiting for it
         # held every regroup back by half a second (measured); collected once it ends.
