@@ -58,5 +58,5 @@ def test_a_sparse_exchange_with_wire_dtype_or_optimizer_state_averaging_is_refus
         train_in_process(_job(), "average", WORLD, sparse_density=0.01, wire_dtype="bf16")
     with pytest.raises(workbench.ConfigError, match="average_optimizer_state"):
         train_in_process(_job(), "average", WORLD, sparse_density=0.01, average_optimizer_state=True)
-    with pytest.raises(workbench.ConfigError, match="bits"):
+    with pytest.raises(workbench.ConfigError, match="sparse_bits=3"):
         train_in_process(_job(), "average", WORLD, sparse_density=0.01, sparse_bits=3)

@@ -71,8 +71,9 @@ def test_the_mean_of_the_workers_packets_is_the_mean_of_what_each_sent():
     assert torch.allclose(mean, torch.stack([so.decode(p) for p in packets]).mean(0), atol=1e-7)
 
 
-@pytest.mark.parametrize("density,bits,named", [(0, 2, "density"), (1.5, 2, "density"), (True, 2, "density"),
-                                                (0.01, 3, "bits"), (0.01, 32, "bits")])
+@pytest.mark.parametrize("density,bits,named", [(0, 2, "sparse_density"), (1.5, 2, "sparse_density"),
+                                                (True, 2, "sparse_density"), (0.01, 3, "sparse_bits"),
+                                                (0.01, 32, "sparse_bits")])
 def test_bad_options_are_refused_naming_the_setting(density, bits, named):
     with pytest.raises(ConfigError, match=named):
         so.OuterFeedback(100, density, bits)

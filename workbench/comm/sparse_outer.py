@@ -27,9 +27,9 @@ BITS = (2, 4, 8)
 def check_sparse(density: object, bits: object) -> None:
     """Raise `ConfigError` naming the setting when a sparse outer exchange's options are not allowed."""
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
-        raise ConfigError("density", density, "a fraction in (0, 1], e.g. 0.015 to send 1.5% of the values")
-    if bits not in BITS or isinstance(bits, bool):
-        raise ConfigError("bits", bits, f"one of {list(BITS)}")
+        raise ConfigError("sparse_density", density, "a fraction in (0, 1], e.g. 0.015 to send 1.5% of the values")
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ConfigError("sparse_bits", bits, f"one of {list(BITS)}")
 
 
 def per_chunk(density: float) -> int:
@@ -94,11 +94,6 @@ def decode(packet: SparsePacket) -> torch.Tensor:
     return dense.view(-1)[:packet.numel]
 
 
-def add_decoded(target: torch.Tensor, packet: SparsePacket, alpha: float = 1.0) -> None:
-    """target += alpha * decode(packet), in place."""
-    target.add_(decode(packet), alpha=alpha)
-
-
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[chunks, k] codes under 2**bits into [chunks, ceil(k * bits / 8)] bytes, low bits first."""
     per_byte = 8 // bits
@@ -147,7 +142,7 @@ def mean_of_wires(wires: list[torch.Tensor], numel: int, density: float, bits: i
     """The mean of every worker's change, from their gathered packets (dense float32)."""
     total = torch.zeros(numel, dtype=torch.float32, device=wires[0].device)
     for wire in wires:  # in rank order on every worker: the same sum, bit for bit
-        add_decoded(total, from_wire(wire, numel, density, bits))
+        total += decode(from_wire(wire, numel, density, bits))
     return total.div_(len(wires))
 
 
