@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, default_collate
 
 from workbench.checks import check_positive_int
 from workbench.errors import ConfigError
-from workbench.sharding import batches, local_shuffle, shard_indices
+from workbench.sharding import batches, global_batches, local_shuffle
 from workbench.text import TextWindows, load_corpus, windows
 
 
@@ -254,20 +254,33 @@ def _is_dask_array(value: Any) -> bool:
 class Shard:
     """One worker's view of the training data: its batches for each epoch.
 
-    Globally indexed data is split by `shard_indices` (every worker holds the whole dataset); data made
-    of the Dask blocks a worker holds is shuffled locally and cut to the common shard size.
+    Globally indexed data is split by `shard_indices` (every worker holds the whole dataset), and a step's
+    batch is this rank's part of the group's global batch (`global_batches`): its equal part, or the
+    share a balanced strategy gives it. Data made of the Dask blocks a worker holds is shuffled locally
+    and cut to the common shard size; its batches are the worker's own and never shared out.
     """
 
     def __init__(self, data: Batches, world_size: int, rank: int, seed: int, samples: int, local: bool) -> None:
         self.data, self.world_size, self.rank, self.seed = data, world_size, rank, seed
         self.samples, self.local = samples, local
 
-    def epoch_batches(self, epoch: int, batch_size: int) -> list[torch.Tensor]:
+    def epoch_rows(self, epoch: int, batch_size: int) -> list[torch.Tensor]:
+        """Per step of `epoch`: the group's global batch (this rank's own batch, with local data)."""
         if self.local:
-            indices = local_shuffle(len(self.data), self.samples, self.rank, epoch, self.seed)
-        else:
-            indices = shard_indices(len(self.data), self.world_size, self.rank, epoch, self.seed)
-        return batches(indices, batch_size)
+            return batches(local_shuffle(len(self.data), self.samples, self.rank, epoch, self.seed), batch_size)
+        return global_batches(len(self.data), self.world_size, epoch, self.seed, batch_size)
+
+    def part(self, row: torch.Tensor, batch_size: int, share: tuple[int, int] | None = None) -> torch.Tensor:
+        """This rank's indices of a step's `row`: the `share` (start, stop) a balanced strategy gave it,
+        else its equal part."""
+        if self.local:
+            return row
+        start, stop = share if share is not None else (self.rank * batch_size, (self.rank + 1) * batch_size)
+        return row[start:stop]
+
+    def epoch_batches(self, epoch: int, batch_size: int) -> list[torch.Tensor]:
+        """This rank's equal batches of `epoch`."""
+        return [self.part(row, batch_size) for row in self.epoch_rows(epoch, batch_size)]
 
 
 def concatenate_blocks(input_blocks: list[Any], target_blocks: list[Any]) -> TensorData:

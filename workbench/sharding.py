@@ -2,9 +2,14 @@
 
 Every worker computes its own shard from (seed, epoch, rank), so no index lists travel. Shards are
 disjoint, of equal size (the remainder is dropped, as `DistributedSampler(drop_last=True)` does), and
-reshuffled every epoch.
+reshuffled every epoch. A step's global batch is every rank's batch of that step, in rank order
+(`global_batches`); a balanced strategy cuts it into unequal shares instead (`balanced_shares`), so the
+samples a step trains on are the same whoever takes which of them.
 """
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 
@@ -20,6 +25,64 @@ def shard_indices(n_samples: int, world_size: int, rank: int, epoch: int, seed: 
     permutation = torch.randperm(n_samples, generator=generator)
     size = shard_size(n_samples, world_size)
     return permutation[rank * size : (rank + 1) * size]
+
+
+def global_batches(n_samples: int, world_size: int, epoch: int, seed: int, batch_size: int) -> list[torch.Tensor]:
+    """Per step of `epoch`, the group's whole batch: rank 0's batch of that step, then rank 1's, ...
+    (`world_size * batch_size` indices). Rank r's slice [r * batch_size, (r + 1) * batch_size) of it is
+    exactly its batch from `shard_indices`, so equal shares train on what unbalanced strategies do."""
+    generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+    permutation = torch.randperm(n_samples, generator=generator)
+    size = shard_size(n_samples, world_size)
+    steps = size // batch_size
+    shards = permutation[: world_size * size].view(world_size, size)[:, : steps * batch_size]
+    rows = shards.reshape(world_size, steps, batch_size).transpose(0, 1).reshape(steps, world_size * batch_size)
+    return list(rows)
+
+
+def balanced_shares(rates: Sequence[float], total: int, minimum: int = 1,
+                    current: Sequence[int] | None = None, step: float = 1.0) -> list[int]:
+    """Samples of a global batch of `total` for each rank, in proportion to its speed (`rates`, samples/s),
+    as whole numbers summing to `total`, none under `minimum`.
+
+    With `current` shares, the result moves `step` of the way from them toward the proportional ones
+    (measurements are noisy; half steps settle instead of swinging). The same inputs give the same shares
+    on every rank, so ranks that share their rates agree on the cut without another exchange.
+    """
+    if not rates or any(not (math.isfinite(rate) and rate > 0) for rate in rates):
+        raise ValueError(f"rates must be positive and finite, got {list(rates)}")
+    if minimum * len(rates) > total:
+        raise ValueError(f"{len(rates)} shares of at least {minimum} do not fit in {total}")
+    ideal = [total * rate / sum(rates) for rate in rates]
+    if current is not None:
+        ideal = [old + step * (new - old) for old, new in zip(current, ideal)]
+    return _apportion(ideal, total, minimum)
+
+
+def _apportion(ideal: list[float], total: int, minimum: int) -> list[int]:
+    """Whole numbers summing to `total`, none under `minimum`, closest to `ideal` (largest remainders)."""
+    floor_at = [False] * len(ideal)
+    while True:  # a share held at the minimum frees the rest for the others, in proportion
+        free = [value for value, held in zip(ideal, floor_at) if not held]
+        room = total - minimum * sum(floor_at)
+        scale = room / sum(free) if sum(free) > 0 else 0.0
+        scaled = [minimum if held else value * scale for value, held in zip(ideal, floor_at)]
+        below = [i for i, value in enumerate(scaled) if not floor_at[i] and value < minimum]
+        if not below:
+            break
+        for i in below:
+            floor_at[i] = True
+    shares = [int(value) for value in scaled]
+    order = sorted(range(len(scaled)), key=lambda i: (-(scaled[i] - shares[i]), i))
+    for i in order[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def share_range(shares: Sequence[int], rank: int) -> tuple[int, int]:
+    """Where rank `rank`'s share lies in the global batch: shares are laid out in rank order."""
+    start = sum(shares[:rank])
+    return start, start + shares[rank]
 
 
 def local_shuffle(n_local: int, keep: int, rank: int, epoch: int, seed: int) -> torch.Tensor:

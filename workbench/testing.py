@@ -141,9 +141,19 @@ class ThreadTransport:
 
     def __init__(self, group: ThreadGroup, rank: int, services: LocalServices) -> None:
         self.group, self.rank, self.services = group, rank, services
+        # Every collective of the rank runs in order on its own thread, as a process group's do: one started
+        # in the background (`start_all_reduce`) lets the rank compute on while the others catch up, so a
+        # rank's compute time is its own (a balanced batch is cut by it), not its wait for the slowest.
+        self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"workbench-collectives-{rank}")
+
+    def _exchange(self, value: Any) -> list[Any]:
+        return self.group.exchange(self.rank, value)
 
     def _all(self, value: Any) -> list[Any]:
-        return self.group.exchange(self.rank, value)
+        return self._queue.submit(self._exchange, value).result()
+
+    def close(self) -> None:
+        self._queue.shutdown(wait=False, cancel_futures=True)
 
     def broadcast_json(self, value: Any, source_rank: int = 0) -> Any:
         return json.loads(json.dumps(self._all(value)[source_rank]))
@@ -169,28 +179,33 @@ class ThreadTransport:
             unflatten_into(self._all(flatten(tensors))[source_rank], list(tensors))
 
     def _sum(self, vector: torch.Tensor) -> torch.Tensor:
-        # Summed in rank order on every rank: every rank gets the same bits, as from an all-reduce.
-        parts = self._all(vector.clone())
+        """On the rank's collective thread. Summed in rank order on every rank: every rank gets the same
+        bits, as from an all-reduce."""
+        parts = self._exchange(vector.clone())
         total = parts[0].clone()
         for part in parts[1:]:
             total += part
         return total
 
     def all_reduce_mean(self, vector: torch.Tensor) -> None:
-        vector.copy_(self._sum(vector).div_(self.group.world_size))
+        vector.copy_(self._queue.submit(self._sum, vector).result().div_(self.group.world_size))
 
     def start_all_reduce(self, vector: torch.Tensor) -> Any:
-        vector.copy_(self._sum(vector))  # done at once: nothing to overlap with in one process
-        return DONE  # a handle, never None: strategies take None for "not started"
+        # A handle, never None (strategies take None for "not started"); `vector` holds the sum once done.
+        return self._queue.submit(lambda: vector.copy_(self._sum(vector)))
 
     def start_all_gather(self, part: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
         return DONE, [other.clone() for other in self._all(part)]
 
     def wait(self, work: Any) -> None:
-        pass
+        if work is not DONE:
+            work.result()
 
     def when_done(self, work: Any, callback: Callable[[Any], Any]) -> None:
-        callback(work)
+        if work is DONE:
+            callback(work)
+        else:
+            work.add_done_callback(callback)
 
     def start_parameter_server(self, *arguments: Any) -> Any:
         return self.services.start_parameter_server(*arguments)
@@ -253,7 +268,7 @@ class InProcessRun:
 
 def train_in_process(job: Job, strategy: str = "allreduce", world_size: int = 2, timeout_s: float = 60.0,
                      on_record: Callable[[dict[str, Any], LocalControl], None] | None = None,
-                     **settings: Any) -> InProcessRun:
+                     sample_delays: dict[int, float] | None = None, **settings: Any) -> InProcessRun:
     """Train `job` with `strategy` on `world_size` ranks as threads of this process; returns when every
     rank has ended. `on_record(record, control)` sees each record as it is sent (a test acts there:
     a switch, a pause). A rank's error is raised here once all have ended."""
@@ -281,9 +296,11 @@ def train_in_process(job: Job, strategy: str = "allreduce", world_size: int = 2,
         task = WorkerTask(run_id="in-process", rank=rank, world_size=world_size, job=job, strategy=strategy,
                           settings=validated, shard_samples=shard_samples, total_steps=total_steps, local_data=False,
                           master_host="", master_port=0, collective_timeout_s=timeout_s,
-                          addresses=[f"inprocess://{r}" for r in range(world_size)], metrics_interval_s=0.0)
+                          addresses=[f"inprocess://{r}" for r in range(world_size)], metrics_interval_s=0.0,
+                          sample_delay_s=(sample_delays or {}).get(rank, 0.0))
+        transport = ThreadTransport(group, rank, services)
         loop = _Loop(task, get_strategy(strategy)(validated), control, MetricsSender(send, rank, 0.0),
-                     ThreadTransport(group, rank, services), agreement_s=0.0)  # agree at every step
+                     transport, agreement_s=0.0)  # agree at every step
         try:
             results[rank] = loop.run(prepared.train, prepared.evaluation if rank == 0 else None, torch.device("cpu"))
             loop.sender.flush()
@@ -291,6 +308,8 @@ def train_in_process(job: Job, strategy: str = "allreduce", world_size: int = 2,
         except BaseException as error:  # noqa: BLE001 - said below, once every rank has ended
             errors.append(error)
             group.abort()
+        finally:
+            transport.close()
 
     threads = [threading.Thread(target=rank_main, args=(rank,), name=f"workbench-rank-{rank}", daemon=True)
                for rank in range(world_size)]

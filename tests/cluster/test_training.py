@@ -55,6 +55,25 @@ def test_matches_single_process_sgd_on_the_union_batch(client, run_dir, strategy
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_balanced_allreduce_gives_a_slow_worker_less_and_still_matches_single_process_sgd(client, run_dir):
+    from workbench.run.handle import Run
+
+    job = workbench.Job(model=workbench.mlp(64, 10, (32,)), data="digits", lr=0.2, batch_size=16, steps=60, seed=5)
+    # Worker 1 takes 2 ms more per sample: its share of each global batch of 32 shrinks to its speed.
+    run = Run(job, "allreduce", client=client, workers=2, run_dir=run_dir, name=None, collective_timeout_s=60,
+              settings={"balance": True, "rebalance_every": 5}, sample_delays={1: 0.002})
+    run.start()
+    assert run.wait(timeout=120) == "finished"
+    steps = run.table.steps()
+    per_step = steps.groupby("step")["samples"].sum()
+    assert len(per_step) == 60 and (per_step == 32).all(), "every step trains the whole global batch"
+    slow = steps[steps["worker"] == 1].set_index("step")["samples"]
+    assert slow[0] == 16 and slow[59] <= 4, "the slow worker's share follows its speed"
+    trained = run.model().state_dict()
+    for name, value in reference_sgd(job, 2, 60).state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("strategy,settings", [("allreduce", {}), ("average", {"period": 4})])
 def test_reaches_090_heldout_accuracy_on_digits_in_5_epochs(client, run_dir, strategy, settings):
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, batch_size=32, epochs=5)
@@ -155,6 +174,9 @@ def test_dask_arrays_train_on_blocks_the_workers_hold(client, run_dir):
     run.wait(timeout=120)
     assert run.config["shard_samples"] >= 540  # 1437 rows in 8 blocks: near-equal halves
     assert run.evaluate()["accuracy"] >= 0.9
+    # Each worker trains on the blocks it holds: a batch cannot be shared out by speed, and it is said.
+    with pytest.raises(workbench.ConfigError, match=r"^balance=True .*blocks"):
+        workbench.train(job, "allreduce", client=client, run_dir=run_dir, balance=True)
 
 
 def test_numpy_data_and_user_errors_surface_with_the_worker_traceback(client, run_dir):

@@ -53,9 +53,13 @@ def past_its_first_choice(chooser):
     ("allreduce", {}, 12.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
     ("easgd", {"period": 16}, 7.0, EVEN, None),  # the link still too slow for averaging: stays
     ("easgd", {"period": 16}, 6.0, EVEN, ("average", {"period": 64, "overlap": True, "wire_dtype": "bf16"})),
-    # A straggler: nobody should wait for it. Elastic averaging, the period at least 16, more where the
-    # exchange needs it to be hidden.
-    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("easgd", {"period": 16})),
+    # A straggler: nobody should wait for it. Under allreduce first its share of each batch cut to its
+    # speed (balanced, still exact); where that does not even the steps, or under averaging: elastic
+    # averaging, the period at least 16, more where the exchange needs it to be hidden.
+    ("allreduce", {}, 0.01, {0: 1000.0, 1: 450.0}, ("allreduce", {"balance": True})),
+    ("allreduce", {"balance": False}, 0.01, {0: 1000.0, 1: 450.0}, ("allreduce", {"balance": True})),
+    ("allreduce", {"balance": True}, 0.01, {0: 1000.0, 1: 450.0}, ("easgd", {"period": 16})),
+    ("allreduce", {"balance": True}, 0.01, {0: 1000.0, 1: 950.0}, None),  # balanced: the steps even
     ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 16})),
     ("average", {"period": 64}, 0.5, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 64})),
     ("easgd", {"period": 16}, 0.01, {0: 1000.0, 1: 700.0}, None),  # still uneven: stays
@@ -77,7 +81,11 @@ def test_the_decision_table(strategy, settings, exchange_s, rates, expected):
 def test_a_straggler_gets_elastic_averaging_and_the_lr_follows_only_moves_to_and_from_full_pushes():
     chooser = Chooser(workers=4, confirm=1, min_interval_s=0)
     straggling = {0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}
-    elastic = chooser.observe(window("allreduce", 0.01, rates=straggling), {}, now=0)
+    balanced = chooser.observe(window("allreduce", 0.01, rates=straggling), {}, now=-1)
+    assert (balanced.strategy, balanced.settings, balanced.lr_factor) == ("allreduce", {"balance": True}, 1)
+    assert "worker 3 computes at 30% of the others' speed: allreduce, balanced" in balanced.reason
+    # Balanced, worker 3 still computes at 30% a step (a delay not per sample): elastic averaging.
+    elastic = chooser.observe(window("allreduce", 0.01, rates=straggling), {"balance": True}, now=0)
     # Each easgd worker steps at the job's lr, as under allreduce: the lr stays.
     assert elastic.strategy == "easgd" and elastic.lr_factor == 1
     assert "worker 3 computes at 30% of the others' speed: easgd, period 16" in elastic.reason
@@ -101,9 +109,10 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
     # themselves. The straggler's own speed, against what the others had when it was called a straggler,
     # says it recovered.
     chooser = past_its_first_choice(Chooser(workers=4, confirm=2, min_interval_s=0))
-    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 0)
+    balanced = {"balance": True}  # tried already: the steps stayed uneven
+    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), balanced, 0)
     assert chose is None  # confirm=2: seen once
-    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), {}, 1)
+    chose = chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 1000.0, 2: 1000.0, 3: 300.0}), balanced, 1)
     assert chose.strategy == "easgd" and chooser.straggler == (3, pytest.approx(0.1))
     uneven = Window("easgd", {0: 0.1, 1: 0.1, 2: 0.16, 3: 0.1}, {}, 0.001)  # worker 2 slowed by contention
     assert uneven.speed_spread == pytest.approx(0.625)  # by itself: still "uneven", would stay async
@@ -112,7 +121,7 @@ def test_a_straggler_back_at_its_own_speed_ends_easgd_though_the_others_now_run_
     assert back.strategy == "allreduce" and chooser.straggler is None
     # While the straggler is still slow, neither reading lets it go.
     chooser = Chooser(workers=2, confirm=1, min_interval_s=0)
-    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0).strategy == "easgd"
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), balanced, 0).strategy == "easgd"
     for t in range(1, 6):
         assert chooser.observe(window("easgd", 0.01, rates={0: 1000.0, 1: 450.0}), {"period": 16}, t) is None
 
@@ -142,12 +151,12 @@ def test_easgd_taken_for_the_link_comes_back_with_the_link_though_the_centers_ho
 
 def test_a_choice_needs_confirming_windows_and_switches_are_spaced():
     chooser = Chooser(workers=2, confirm=3, min_interval_s=20)
-    uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
+    uneven, balanced = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0}), {"balance": True}
     # The first move away from the start: confirm - 1 windows (nothing to flap back to).
-    assert chooser.observe(uneven, {}, 0) is None
-    assert chooser.observe(window("allreduce", 0.001), {}, 1) is None  # the condition went away: start over
-    assert chooser.observe(uneven, {}, 2) is None
-    assert chooser.observe(uneven, {}, 3).strategy == "easgd"
+    assert chooser.observe(uneven, balanced, 0) is None
+    assert chooser.observe(window("allreduce", 0.001), balanced, 1) is None  # the condition went away: start over
+    assert chooser.observe(uneven, balanced, 2) is None
+    assert chooser.observe(uneven, balanced, 3).strategy == "easgd"
     # Another condition right after: three windows, and not before min_interval_s has passed.
     back = window("easgd", 0.001)
     assert [chooser.observe(back, {"period": 16}, t) for t in (4, 5, 6, 22)] == [None] * 4
@@ -201,8 +210,8 @@ def test_the_first_move_from_allreduce_to_averaging_takes_one_window_and_to_easg
     # A first move for a straggler: two windows (speeds on shared cores swing from one to the next).
     chooser = Chooser(workers=2, confirm=3, min_interval_s=8)
     uneven = window("allreduce", 0.001, rates={0: 1000.0, 1: 400.0})
-    assert chooser.observe(uneven, {}, 0) is None
-    assert chooser.observe(uneven, {}, 2).strategy == "easgd"
+    assert chooser.observe(uneven, {"balance": True}, 0) is None
+    assert chooser.observe(uneven, {"balance": True}, 2).strategy == "easgd"
 
 
 def test_a_link_at_the_edge_does_not_flap():
@@ -363,8 +372,8 @@ def test_a_move_is_confirmed_by_its_strategy_though_the_fitting_period_wavers():
     # Back from easgd on a link whose measured exchange cost wavers: period 32 in one window, 64 in the
     # next. The move to 'average' is confirmed by three windows all the same, with the last one's period.
     chooser = Chooser(workers=2, confirm=3, min_interval_s=0)
-    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 0)
-    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {}, 1).strategy == "easgd"
+    chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {"balance": True}, 0)
+    assert chooser.observe(window("allreduce", 0.01, rates={0: 1000.0, 1: 400.0}), {"balance": True}, 1).strategy == "easgd"
     choices = [chooser.observe(window("easgd", exchange_s), {"period": 16}, t)
                for t, exchange_s in enumerate([0.2, 0.4, 0.2], start=2)]
     assert choices[:2] == [None, None]

@@ -155,15 +155,19 @@ FINGERPRINT_CHUNK = 1 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def scale_for_wire(vector: torch.Tensor, dtype: torch.dtype, world_size: int) -> torch.Tensor:
-    """In place: `vector` / `world_size`, ready to be cast to `dtype` for a sum all-reduce that yields the mean.
+def scale_for_wire(vector: torch.Tensor, dtype: torch.dtype, world_size: int, weight: float | None = None) -> torch.Tensor:
+    """In place: `vector` / `world_size` (or times this rank's `weight`, the weights summing to one), ready to
+    be cast to `dtype` for a sum all-reduce that yields the (weighted) mean.
 
     Divided before the sum, as PyTorch DDP's `fp16_compress_hook` does, so that the sum of the ranks'
     values cannot overflow fp16 where the values themselves fit; here divided while still float32 (one
     rounding, not two) and clamped so that `world_size` of them still fit fp16's range (as the `fp16`
     compression of the parameter server clamps). bf16 has float32's range and needs no clamp.
     """
-    vector.div_(world_size)
+    if weight is None:
+        vector.div_(world_size)
+    else:
+        vector.mul_(weight)
     if dtype == torch.float16:
         limit = torch.finfo(torch.float16).max / world_size
         vector.clamp_(-limit, limit)

@@ -21,7 +21,9 @@ from typing import Any
 
 SYNCHRONOUS = ("allreduce", "average")
 PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr (README)
-# What a straggler gets: elastic averaging, where each worker exchanges with the center on its own every
+# What a straggler gets under allreduce first: its share of each global batch cut to its speed (`balance`),
+# the same updates at the cluster's summed speed. Where that does not even the steps, or under `average`:
+# elastic averaging, where each worker exchanges with the center on its own every
 # `period` steps, so nobody waits. Measured on the lab with one host at 30% of a core (benchmarks/auto.py,
 # MLP 64-1024-1024-10): easgd period 16 reached the target in 105 s at 7,300 samples/s, average p16 (in
 # lockstep with the straggler) in 157 s at 3,300, and async push_every 4 in 204-227 s at 3,100: its
@@ -164,17 +166,25 @@ def _lr_factor(current: str, chosen: str, workers: int) -> float:
 
 
 def fitting(window: Window, settings: dict[str, Any], spread: float | None = None,
-            for_link: bool = False) -> tuple[str, dict[str, Any], str] | None:
+            for_link: bool = False, can_balance: bool = True) -> tuple[str, dict[str, Any], str] | None:
     """The strategy and settings the window calls for, with the reason; None: the current one fits.
     `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one).
     `for_link`: the run is asynchronous because the link was too slow, not for a straggler: the way back
     is the link's alone. Under easgd the worker that holds the center serves every push on its own host's
     CPU and reads slower than the others (measured on the lab, three hosts at half a core: 2.5-3.5 ms a
     step against 1.8-2.0, a spread of 0.6-0.7 for a minute after the link came back, never "even"): the
-    spread then reads the strategy, not the hosts. A straggler that is real shows once synchronous again."""
+    spread then reads the strategy, not the hosts. A straggler that is real shows once synchronous again.
+    `can_balance`: every worker indexes the whole dataset, so `allreduce` can share a batch out by speed."""
     spread = window.speed_spread if spread is None else spread
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
+    if spread < STRAGGLER_BELOW and current == "allreduce" and can_balance and not settings.get("balance"):
+        # First the move that keeps training synchronous and exact: the straggler takes a smaller share of
+        # each global batch. Where that cannot even the steps (a delay that is not per sample; data each
+        # worker holds its own of), the spread stays and the next window leaves for elastic averaging.
+        return ("allreduce", {"balance": True},
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: allreduce, balanced "
+                f"(each worker's share of the global batch follows its speed; the same updates)")
     if spread < STRAGGLER_BELOW and not asynchronous:
         # The period that hides the exchange, at least 16: each exchange is also served by the center.
         period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
@@ -260,6 +270,7 @@ class Chooser:
         self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
         self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
         self.for_link = False  # asynchronous because the link was too slow (`fitting`)
+        self.can_balance = True  # the run's data can be shared out by speed (`fitting`)
 
     @property
     def pending(self) -> bool:
@@ -273,7 +284,7 @@ class Chooser:
             # over the recent windows (`recovered_spread`).
             asynchronous = window.strategy not in SYNCHRONOUS
             self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
-        found = fitting(window, settings, self.spread, self.for_link) if window is not None else None
+        found = fitting(window, settings, self.spread, self.for_link, self.can_balance) if window is not None else None
         if found is None and (window is None or window.exchange_s is None):
             # Too few steps or no exchange landed in the window (a slow link, a switch being made):
             # neither for nor against a candidate.

@@ -13,6 +13,7 @@ from typing import Any
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.plane import kinds
 from workbench.run.auto_policy import Chooser, measure
+from workbench.strategies import get_strategy
 
 AUTO = "auto"
 SUMMARY = ("auto: the workbench picks the strategy and its settings from what the run measures (link, "
@@ -93,7 +94,11 @@ class AutoPilot:
         try:
             if choice.lr_factor != 1.0:
                 run.set_lr(lr)
-            run.switch(choice.strategy, by_auto=True, **choice.settings)
+            live = get_strategy(run.strategy).settings_class.live
+            if choice.strategy == run.strategy and set(choice.settings) <= set(live):
+                run.update(**choice.settings)  # a live setting (allreduce's balance): no switch to make
+            else:
+                run.switch(choice.strategy, by_auto=True, **choice.settings)
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
 

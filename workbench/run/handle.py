@@ -26,6 +26,7 @@ from distributed import Client
 
 from workbench.checks import check_run_options
 from workbench.cluster import membership
+from workbench.data import DaskArrayData
 from workbench.errors import ConfigError, DivergenceError, ResumeError, TrainingError
 from workbench.job import Job, PreparedJob, check_lr
 from workbench.plane import checkpoint_format as checkpoints, kinds
@@ -37,7 +38,7 @@ from workbench.run.checkpoints import CheckpointStore
 from workbench.run.export import Exports, check_export_options
 from workbench.run.feed import RunFeed, announce
 from workbench.run.health import LinkWatch, LossWatch
-from workbench.run.launcher import check_world, resolve_client, wanted_workers
+from workbench.run.launcher import check_can_balance, check_world, resolve_client, wanted_workers
 from workbench.run.lifecycle import Lifecycle
 from workbench.run.placement import Placement
 from workbench.run.requests import RequestServer
@@ -151,6 +152,7 @@ class Run(RunViews):
     def __init__(self, job: Job, strategy: str, *, client: Client | None, workers: int | None,
                  run_dir: str | Path, name: str | None, collective_timeout_s: float,
                  settings: dict[str, Any], step_delays: dict[int, float] | None = None,
+                 sample_delays: dict[int, float] | None = None,
                  owner: str | None = None, checkpoint_every_steps: int | None = None,
                  checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
                  resume_from: dict[str, Any] | None = None, queue: bool = False, tensorboard: bool | str = False,
@@ -166,7 +168,8 @@ class Run(RunViews):
         self._run_root = run_dir
         self._name = name
         self.collective_timeout_s = collective_timeout_s
-        self.step_delays = step_delays or {}
+        self.step_delays = step_delays or {}  # test hooks: ranks made slow per step, or per sample
+        self.sample_delays = sample_delays or {}
         self.checkpoint_every_steps = checkpoint_every_steps
         self.checkpoint_every_s = checkpoint_every_s
         self.min_workers = min_workers
@@ -216,6 +219,7 @@ class Run(RunViews):
         check_world(prepared, strategy_class, settings, wanted, self.min_workers)
         if self.auto_pilot is not None:
             self.auto_pilot.chooser.workers = wanted
+            self.auto_pilot.chooser.can_balance = not isinstance(prepared.train, DaskArrayData)
         self.run_id = self._name or (f"{self.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
                                      f"{uuid.uuid4().hex[:6]}")
         self.placement = Placement(client, self.run_id, self.owner)
@@ -398,6 +402,8 @@ class Run(RunViews):
                                   f"other settings change with switch('{self.strategy}', {key}=...)")
         self._require_running()
         make_settings(self.strategy, {**self.control.state.settings, **settings})  # validates values
+        if settings.get("balance"):
+            check_can_balance(self.prepared)
         self.control.update(settings=settings)
         self.directory.append([{"kind": kinds.CONTROL, "time": time.time(), **settings}])
 

@@ -74,6 +74,7 @@ class LaunchOptions:
     collective_timeout_s: float
     checkpoint_every_steps: int | None
     step_delays: dict[int, float]
+    sample_delays: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def resolve_client(client: Client | None) -> Client:
@@ -121,6 +122,16 @@ def check_world(prepared: PreparedJob, strategy_class: Any, settings: Any, worke
         raise ConfigError("min_workers", min_workers, f"at most {workers}, the run's workers")
     strategy_class.check_world(settings, workers)
     check_batch_fits(prepared, workers)
+    if getattr(settings, "balance", False):
+        check_can_balance(prepared)
+
+
+def check_can_balance(prepared: PreparedJob) -> None:
+    """A batch is shared out by speed only where every worker can index the whole dataset."""
+    if isinstance(prepared.train, DaskArrayData):
+        raise ConfigError("balance", True, "False with a Dask array as the data: each worker trains on the blocks "
+                          "it holds, so a step's batch cannot be shared out by speed",
+                          "Pass the data as a dataset or tensors to balance")
 
 
 def check_batch_fits(prepared: PreparedJob, world_size: int) -> None:
@@ -179,7 +190,8 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
             settings=settings, shard_samples=shard_samples, total_steps=total_steps,
             local_data=local, master_host=host, master_port=port,
             collective_timeout_s=options.collective_timeout_s, addresses=addresses,
-            step_delay_s=options.step_delays.get(rank, 0.0), generation=generation,
+            step_delay_s=options.step_delays.get(rank, 0.0), sample_delay_s=options.sample_delays.get(rank, 0.0),
+            generation=generation,
             start_step=start_step, checkpoint_every_steps=options.checkpoint_every_steps,
             applied_switch=state.switch_id, known_checkpoint=state.checkpoint_id, metrics_relay=relays[rank],
         )

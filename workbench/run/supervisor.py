@@ -63,7 +63,8 @@ class Supervisor:
         run = self.run
         generation = run.generation + 1
         state = run.control.state
-        options = LaunchOptions(run.run_id, run.collective_timeout_s, run.checkpoint_every_steps, run.step_delays)
+        options = LaunchOptions(run.run_id, run.collective_timeout_s, run.checkpoint_every_steps, run.step_delays,
+                                run.sample_delays)
         run.feed.new_generation(generation)
         group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
         self.group = group

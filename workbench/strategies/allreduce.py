@@ -11,6 +11,10 @@ wait is the communication time the step actually pays.
 overflow fp16), cast into a half-precision wire buffer, summed, cast back into the gradients. gloo on
 CPU sums float16 and bfloat16 natively (checked with torch 2.13), so no all-gather workaround is needed.
 `bytes_sent` per step is what a ring all-reduce of the buckets sends per worker (half with fp16/bf16).
+
+`balance` (live) cuts each step's global batch in proportion to the workers' measured speeds
+(`strategies/balance.py`) and weights each rank's gradients by its share: on mixed hardware no worker
+waits for a slower one, and each update is still the one a single process would make on the global batch.
 """
 from __future__ import annotations
 
@@ -20,23 +24,32 @@ from typing import Any
 
 import torch
 
-from workbench.checks import check_positive_number
+from workbench.checks import check_positive_int, check_positive_number
 from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
+from workbench.errors import ConfigError
+from workbench.strategies.balance import BatchBalance
 from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
 
 
 @dataclasses.dataclass
 class AllReduceSettings(StrategySettings):
-    live = ("wire_dtype",)
+    live = ("wire_dtype", "balance", "rebalance_every")
 
     bucket_mb: float = 4.0
     """Size cap of one all-reduce bucket in MB: smaller overlaps more, larger has less per-call cost."""
     wire_dtype: str = "float32"
     """What the gradients travel as: 'float32' (exact), 'fp16' or 'bf16' (half the bytes)."""
+    balance: bool = False
+    """Share each step's global batch out by the workers' measured speeds (mixed hardware): the same update."""
+    rebalance_every: int = 10
+    """With balance: steps between two measurements of the workers' speeds and a new cut of the batch."""
 
     def validate(self) -> None:
         check_positive_number("bucket_mb", self.bucket_mb)
         check_wire_dtype("wire_dtype", self.wire_dtype)
+        if not isinstance(self.balance, bool):
+            raise ConfigError("balance", self.balance, "True or False")
+        check_positive_int("rebalance_every", self.rebalance_every)
 
 
 class _Bucket:
@@ -82,6 +95,7 @@ class AllReduce(Strategy):
         super().__init__(settings)
         self.buckets: list[_Bucket] = []
         self.hooks: list[Any] = []  # none until `setup` (and none at all when the model factory failed)
+        self.balance: BatchBalance | None = None  # the cut of the global batch, with more than one worker
 
     def setup(self, context: TrainingContext) -> None:
         self.world_size = context.world_size
@@ -92,6 +106,9 @@ class AllReduce(Strategy):
         if self.world_size == 1:
             self.keeps_gradient_buffers = False  # nothing to exchange: plain gradients, as one process
             return
+        if context.global_batches:
+            self.balance = BatchBalance(context.rank, self.world_size, context.job.batch_size,
+                                        self.settings.rebalance_every)
         parameters = [p for p in context.model.parameters() if p.requires_grad]
         cap = int(self.settings.bucket_mb * 1024 * 1024)
         groups = assign_buckets([p.numel() * p.element_size() for p in parameters], cap)
@@ -109,20 +126,34 @@ class AllReduce(Strategy):
 
         return on_gradient_ready
 
+    def _balancing(self) -> bool:
+        return self.balance is not None and self.settings.balance
+
+    def batch_share(self, context: TrainingContext) -> tuple[int, int] | None:
+        return self.balance.share() if self._balancing() else None
+
     def _launch(self, bucket: _Bucket) -> None:
         bucket.attach_gradients()
         dtype = WIRE_DTYPES[self.settings.wire_dtype]
+        # Balanced, each rank's mean gradient counts for its share of the samples: weighted before the sum.
+        weight = self.balance.weight if self._balancing() else None
         if dtype == torch.float32:
+            if weight is not None:
+                bucket.buffer.mul_(weight)
             bucket.in_flight = bucket.buffer
         else:
             # The gradients are overwritten by the result anyway: scale them in place, then cast.
-            bucket.in_flight = bucket.wire_buffer(dtype).copy_(scale_for_wire(bucket.buffer, dtype, self.world_size))
+            bucket.in_flight = bucket.wire_buffer(dtype).copy_(
+                scale_for_wire(bucket.buffer, dtype, self.world_size, weight))
         bucket.work = self.comm.start_all_reduce(bucket.in_flight)
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
         if not self.buckets:
             return {}
         started = time.perf_counter()
+        balancing = self._balancing()
+        if balancing:
+            self.balance.computed()  # this step's compute ends here; what follows is the exchange
         for bucket in self.buckets:
             if bucket.work is None:  # some parameter got no gradient this step: its zeros still count
                 self._launch(bucket)
@@ -130,8 +161,9 @@ class AllReduce(Strategy):
         for bucket in self.buckets:
             self.comm.wait(bucket.work)
             if bucket.in_flight is bucket.buffer:
-                bucket.buffer.div_(self.world_size)
-            else:  # pre-divided before the cast
+                if not balancing:  # balanced, the weights summed to one already
+                    bucket.buffer.div_(self.world_size)
+            else:  # pre-divided (or weighted) before the cast
                 bucket.buffer.copy_(bucket.in_flight)
             sent += bucket.in_flight.numel() * bucket.in_flight.element_size()
             bucket.ready, bucket.work = 0, None
@@ -140,7 +172,20 @@ class AllReduce(Strategy):
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
         # Reported here: the loop records the strategy's own fields from `after_step` only.
-        return {"bytes_sent": self.bytes_sent} if self.buckets else {}
+        if not self.buckets:
+            return {}
+        if self._balancing():
+            started = time.perf_counter()
+            self.balance.rebalance(self.comm, step)
+            return {"bytes_sent": self.bytes_sent, "comm_s": time.perf_counter() - started}
+        return {"bytes_sent": self.bytes_sent}
+
+    def update_settings(self, changes: dict[str, Any]) -> None:
+        super().update_settings(changes)
+        if self.balance is not None:
+            self.balance.every = self.settings.rebalance_every
+            if not self.settings.balance:
+                self.balance.reset()  # equal parts from the next step, as every rank does at this one
 
     def close(self) -> None:
         for hook in self.hooks:

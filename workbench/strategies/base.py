@@ -41,6 +41,9 @@ class TrainingContext:
     abandoned: Callable[[], bool] = lambda: False
     # How this rank reaches the others and the run's services (comm/transport.py): passed in, never ambient.
     comm: Any = dataclasses.field(default_factory=lambda: _process_group())
+    # Every rank indexes the whole dataset, so a step's global batch can be cut into unequal shares (not
+    # so for Dask-array blocks, each worker training on those it holds).
+    global_batches: bool = True
 
 
 @dataclasses.dataclass
@@ -118,6 +121,11 @@ class Strategy:
 
     def setup(self, context: TrainingContext) -> None:
         """Called once after the model and optimizer exist, before the first step."""
+
+    def batch_share(self, context: TrainingContext) -> tuple[int, int] | None:
+        """At the start of each step, before its batch is read: the (start, stop) of this rank's samples in
+        the step's global batch (`sharding.global_batches`), or None for its equal part."""
+        return None
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
         """Called between backward and the optimizer step (gradients are ready)."""

@@ -62,6 +62,7 @@ class WorkerTask:
     metrics_interval_s: float = 0.25
     metrics_relay: str | None = None  # the worker that relays this rank's metrics (plane/relay.py); None: itself
     step_delay_s: float = 0.0  # test hook: makes this worker deliberately slow
+    sample_delay_s: float = 0.0  # test hook: slower in proportion to the samples it takes (as a slower CPU)
     generation: int = 0  # which group of workers this is (see `ControlState.generation`)
     start_step: int = 0  # steps already made, when resuming from a checkpoint
     checkpoint_every_steps: int | None = None  # process-group strategies checkpoint at these steps exactly
@@ -220,7 +221,8 @@ class _Loop:
         self.forward = torch.compile(model) if getattr(job, "compile", False) else model
         context = self.context = TrainingContext(
             task.rank, task.world_size, device, model, None, task.collective_timeout_s, task.run_id,
-            task.addresses, job, interrupted=self.control.waiting, abandoned=self.control.superseded, comm=self.comm)
+            task.addresses, job, interrupted=self.control.waiting, abandoned=self.control.superseded, comm=self.comm,
+            global_batches=not shard.local)
         context.optimizer = self.strategy.local_optimizer(job, model.parameters())
         if resume_from is not None:
             self.checkpoints.restore(context, resume_from)
@@ -232,13 +234,13 @@ class _Loop:
 
         stopped = False
         try:
-            for epoch, indices in self._batches(shard, evaluation, loss_fn, device):
+            for epoch, row in self._batches(shard, evaluation, loss_fn, device):
                 started = time.perf_counter()
                 while (action := self.control.before_step()) is not None:  # pause, stop, lr, settings: agreed
                     self._carry_out(action)  # a switch or a checkpoint, at the step the ranks agreed on
                 if self.step >= task.total_steps:
                     break
-                self._train_step(context, loss_fn, shard, indices, epoch, time.perf_counter() - started, device)
+                self._train_step(context, loss_fn, shard, row, epoch, time.perf_counter() - started, device)
                 if evaluation is not None and job.eval_every and self.step % job.eval_every == 0:
                     self._evaluate(model, evaluation, loss_fn, device, epoch)
         except StopRequested:
@@ -265,23 +267,24 @@ class _Loop:
         return Shard(data, task.world_size, task.rank, task.job.seed, task.shard_samples, task.local_data)
 
     def _batches(self, shard: Shard, evaluation: Any, loss_fn: Any, device: torch.device):
-        """(epoch, batch indices) without end, from the step the run starts at; evaluates at epoch ends
-        when no `eval_every` is set."""
+        """(epoch, the step's global batch) without end, from the step the run starts at; evaluates at
+        epoch ends when no `eval_every` is set."""
         job = self.task.job
         first_epoch, skip = data_position(self.task.start_step, self.task.shard_samples // job.batch_size)
         for epoch in range(first_epoch, 1 << 30):
             self.epoch = epoch
-            batches = shard.epoch_batches(epoch, job.batch_size)
-            for indices in batches[skip:] if epoch == first_epoch else batches:
-                yield epoch, indices
+            rows = shard.epoch_rows(epoch, job.batch_size)
+            for row in rows[skip:] if epoch == first_epoch else rows:
+                yield epoch, row
             if evaluation is not None and job.eval_every is None and self.step < self.task.total_steps:
                 self._evaluate(self.context.model, evaluation, loss_fn, device, epoch)
 
-    def _train_step(self, context: TrainingContext, loss_fn: Any, shard: Shard, indices: torch.Tensor,
+    def _train_step(self, context: TrainingContext, loss_fn: Any, shard: Shard, row: torch.Tensor,
                     epoch: int, wait_s: float, device: torch.device) -> None:
         started = time.perf_counter()
-        if self.task.step_delay_s:
-            time.sleep(self.task.step_delay_s)
+        indices = shard.part(row, self.task.job.batch_size, self.strategy.batch_share(context))
+        if self.task.step_delay_s or self.task.sample_delay_s:
+            time.sleep(self.task.step_delay_s + self.task.sample_delay_s * len(indices))
         inputs, targets = shard.data.batch(indices)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         self.apply_lr()

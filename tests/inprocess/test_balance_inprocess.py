@@ -1,0 +1,71 @@
+"""Balanced `allreduce` in one process: a rank made slow per sample gets a smaller share of each global
+batch, the shares follow its speed, and every update is still the one a single process makes on the
+whole global batch (bit for bit up to float rounding)."""
+import pytest
+import torch
+
+from inprocess.test_inprocess import WORLD, assert_same_weights, job
+from workbench.data import Shard
+from workbench.job import loss_function, make_optimizer
+from workbench.testing import train_in_process
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def whole_batch_reference(the_job, run, world: int = WORLD) -> dict[str, torch.Tensor]:
+    """A plain PyTorch loop on each step's global batch (every rank's share of it, whatever the cut)."""
+    data = the_job.prepare().train.load()
+    shard = Shard(data, world, 0, the_job.seed, run.shard_samples, False)
+    per_epoch = run.shard_samples // the_job.batch_size
+    model = the_job.model()
+    optimizer = make_optimizer(the_job, model.parameters())
+    loss_fn = loss_function(the_job)
+    for step in range(run.total_steps):
+        epoch, index = divmod(step, per_epoch)
+        inputs, targets = data.batch(shard.epoch_rows(epoch, the_job.batch_size)[index])
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def shares_by_step(run) -> dict[int, list[int]]:
+    shares: dict[int, list[int]] = {}
+    for record in run.steps():
+        shares.setdefault(record["step"], [0] * WORLD)[record["worker"]] = record["samples"]
+    return shares
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "bf16"])
+def test_a_slow_rank_gets_a_smaller_share_and_each_update_is_the_whole_batchs(wire_dtype):
+    the_job = job(steps=40)
+    # Rank 1 takes 3 ms more per sample (a slower CPU): 48 ms a step at an equal part of 16.
+    run = train_in_process(the_job, "allreduce", WORLD, sample_delays={1: 0.003}, balance=True, rebalance_every=5,
+                           bucket_mb=0.001, wire_dtype=wire_dtype)
+    shares = shares_by_step(run)
+    assert all(sum(cut) == 2 * the_job.batch_size for cut in shares.values()), "every step trains the global batch"
+    assert shares[0] == [16, 16] and shares[4] == [16, 16]  # equal until the first measurement
+    assert shares[5][1] < 16 and shares[39][1] < shares[5][1], "the slow rank's share shrinks as it is measured"
+    assert shares[39][1] <= 4
+    if wire_dtype == "float32":
+        assert_same_weights(run.results[0]["state_dict"], whole_batch_reference(the_job, run))
+    else:  # bf16 on the wire: the same update up to its rounding
+        expected = whole_batch_reference(the_job, run)
+        for name, value in run.results[0]["state_dict"].items():
+            torch.testing.assert_close(value, expected[name], rtol=0.05, atol=0.01)
+
+
+def test_balance_turned_off_live_gives_equal_parts_from_the_agreed_step():
+    the_job = job(steps=40)
+
+    def turn_off(record, control):
+        if record.get("kind") == "step" and record["step"] == 20 and record["worker"] == 0:
+            control.update(settings={"balance": False})
+
+    run = train_in_process(the_job, "allreduce", WORLD, on_record=turn_off, sample_delays={1: 0.003}, balance=True,
+                           rebalance_every=5)
+    shares = shares_by_step(run)
+    assert shares[19][1] < 16
+    changed = min(step for step, cut in shares.items() if step > 20 and cut == [16, 16])
+    assert all(shares[step] == [16, 16] for step in range(changed, 40))
+    assert_same_weights(run.results[0]["state_dict"], whole_batch_reference(the_job, run))

@@ -1,0 +1,100 @@
+"""Unit tests of the balanced cut of a global batch: the shares' arithmetic (`sharding.balanced_shares`),
+the global batch every rank's equal part is a slice of, and one rank's timing and agreement
+(`strategies/balance.py`) against a stand-in for the ranks' all-gather."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workbench.sharding import balanced_shares, batches, global_batches, shard_indices, share_range
+from workbench.strategies.balance import REBALANCE_STEP, BatchBalance
+
+
+@given(n=st.integers(1, 400), world=st.integers(1, 6), batch=st.integers(1, 9), epoch=st.integers(0, 3),
+       seed=st.integers(0, 100))
+@settings(max_examples=60, deadline=None)
+def test_a_ranks_equal_part_of_each_global_batch_is_its_batch_from_its_shard(n, world, batch, epoch, seed):
+    rows = global_batches(n, world, epoch, seed, batch)
+    for rank in range(world):
+        own = batches(shard_indices(n, world, rank, epoch, seed), batch)
+        assert len(own) == len(rows)
+        for row, expected in zip(rows, own):
+            assert torch.equal(row[rank * batch : (rank + 1) * batch], expected)
+    if rows:
+        joined = torch.cat(rows)
+        assert len(set(joined.tolist())) == len(joined)  # no sample twice in an epoch
+
+
+@given(rates=st.lists(st.floats(0.01, 1000.0), min_size=1, max_size=8), per_rank=st.integers(1, 64),
+       minimum=st.integers(1, 4))
+@settings(max_examples=200, deadline=None)
+def test_shares_sum_to_the_batch_respect_the_minimum_and_follow_the_speeds(rates, per_rank, minimum):
+    total = per_rank * len(rates) * minimum
+    shares = balanced_shares(rates, total, minimum)
+    assert sum(shares) == total and min(shares) >= minimum
+    for i in range(len(rates)):
+        for j in range(len(rates)):
+            if rates[i] > rates[j]:
+                assert shares[i] >= shares[j], "a faster rank never gets fewer samples"
+    ideal = [total * r / sum(rates) for r in rates]
+    unconstrained = all(value >= minimum + 1 for value in ideal)
+    if unconstrained:  # rounding moves a share by less than one sample
+        assert all(abs(share - value) < 1 for share, value in zip(shares, ideal))
+
+
+def test_shares_in_proportion_to_speed():
+    assert balanced_shares([1.0, 2.0], 48) == [16, 32]
+    assert balanced_shares([1.0, 1.0, 1.0], 10) == [4, 3, 3]  # the remainder by rank, the same on every rank
+    assert balanced_shares([1.0, 100.0], 48, minimum=4) == [4, 44]
+
+
+def test_a_half_step_moves_halfway_from_the_current_shares():
+    assert balanced_shares([1.0, 3.0], 64, current=[32, 32], step=0.5) == [24, 40]
+    assert balanced_shares([1.0, 3.0], 64, current=[16, 48], step=0.5) == [16, 48]  # there already: stays
+
+
+@pytest.mark.parametrize("rates, total, minimum", [([], 8, 1), ([1.0, 0.0], 8, 1), ([1.0, float("nan")], 8, 1),
+                                                   ([1.0, 1.0, 1.0], 5, 2)])
+def test_impossible_shares_are_refused(rates, total, minimum):
+    with pytest.raises(ValueError):
+        balanced_shares(rates, total, minimum)
+
+
+def test_share_ranges_lay_the_shares_out_in_rank_order():
+    assert [share_range([5, 3, 8], rank) for rank in range(3)] == [(0, 5), (5, 8), (8, 16)]
+
+
+class Gather:
+    """The ranks' all-gather, each rank's value given in advance (what the others measured)."""
+
+    def __init__(self, others: dict[int, float], rank: int) -> None:
+        self.others, self.rank, self.calls = others, rank, 0
+
+    def all_gather_json(self, value):
+        self.calls += 1
+        return [value if r == self.rank else self.others[r] for r in range(len(self.others) + 1)]
+
+
+def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeypatch):
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: next(clock))
+    balance = BatchBalance(rank=0, world_size=2, batch_size=16, every=4)
+    comm = Gather({1: 16 / 3.0}, rank=0)  # rank 1 took 3 s per 16 samples; rank 0 takes 1 s per step here
+    for step in range(3):
+        assert balance.share() == (0, 16) and balance.weight == 0.5
+        balance.computed()
+        assert not balance.rebalance(comm, step) and comm.calls == 0
+    balance.share()
+    balance.computed()
+    assert balance.rebalance(comm, 3) and comm.calls == 1
+    # Rank 0 made 16 samples/s, rank 1 16/3: the proportional cut is 24/8, half a step from 16/16 is 20/12.
+    assert REBALANCE_STEP == 0.5 and balance.shares == [20, 12]
+    assert balance.share() == (0, 20) and balance.weight == 20 / 32
+    balance.reset()
+    assert balance.shares == [16, 16]
+
+
+def test_a_rank_that_measured_nothing_keeps_the_cut():
+    balance = BatchBalance(rank=0, world_size=2, batch_size=8, every=1)
+    assert not balance.rebalance(Gather({1: 10.0}, rank=0), 0)
+    assert balance.shares == [8, 8]

@@ -1,0 +1,66 @@
+"""A rank's share of the group's global batch, balanced to the ranks' measured speeds (`allreduce` with `balance`).
+
+Each rank times its own compute (from the start of a step to its gradients being ready) per sample.
+Every `every` steps the ranks share those speeds, and each computes the same new cut of the global batch
+(`sharding.balanced_shares`): a worker twice as fast takes twice the samples, so the ranks' gradients are
+ready together and no one waits for a straggler. The gradients are weighted by samples (`weight`), so
+each update is the one a single process would make on the same global batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from workbench.sharding import balanced_shares, share_range
+
+# Half a step toward the measured proportions at each rebalance: measurements on a busy machine are noisy,
+# and a full step on one noisy window would swing the shares back and forth.
+REBALANCE_STEP = 0.5
+
+
+class BatchBalance:
+    """One rank's view of the cut: the shares (samples per rank, in rank order) and its own timing."""
+
+    def __init__(self, rank: int, world_size: int, batch_size: int, every: int) -> None:
+        self.rank, self.world_size, self.batch_size, self.every = rank, world_size, batch_size, every
+        self.total = batch_size * world_size
+        self.shares = [batch_size] * world_size
+        self._started: float | None = None
+        self._samples = 0
+        self._compute_s = 0.0
+
+    def share(self) -> tuple[int, int]:
+        """Where this rank's samples lie in the step's global batch; marks the step's start for the timing."""
+        self._started = time.perf_counter()
+        return share_range(self.shares, self.rank)
+
+    @property
+    def weight(self) -> float:
+        """This rank's part of the global batch: what its mean gradient counts for in the sum."""
+        return self.shares[self.rank] / self.total
+
+    def computed(self) -> None:
+        """The step's gradients are ready: its compute time counts toward this rank's speed."""
+        if self._started is not None:
+            self._compute_s += time.perf_counter() - self._started
+            self._samples += self.shares[self.rank]
+            self._started = None
+
+    def rebalance(self, comm: Any, step: int) -> bool:
+        """At every `every`-th step (the same on every rank), share the speeds and cut anew. Collective.
+        Returns whether the shares changed."""
+        if (step + 1) % self.every:
+            return False
+        own = self._samples / self._compute_s if self._compute_s > 0 else 0.0
+        rates = [float(rate) for rate in comm.all_gather_json(own)]
+        self._samples, self._compute_s = 0, 0.0
+        if min(rates) <= 0:  # a rank measured nothing yet (it joined this window): keep the cut
+            return False
+        shares = balanced_shares(rates, self.total, minimum=1, current=self.shares, step=REBALANCE_STEP)
+        changed, self.shares = shares != self.shares, shares
+        return changed
+
+    def reset(self) -> None:
+        """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
+        self.shares = [self.batch_size] * self.world_size
+        self._samples, self._compute_s, self._started = 0, 0.0, None
