@@ -22,6 +22,13 @@ end points. Computed in code:
   against the best fixed configuration's in the same condition (target <= 1.15).
 Where a run never reaches the target its time is None, and a ratio over it is None (said, not guessed).
 
+`--balance` (issue 45, mixed hardware): under the slow-host conditions only (host 2 at half a core, and
+at a quarter), the cluster's capacity first (`alone`: each worker host runs the same loop with no
+exchange, both side by side; capacity is the sum of their samples/s), then DDP, `allreduce`, `allreduce`
+balanced, `async` p4 and `auto`. Each run's steady speed counts its records after the first quarter of its
+time (balancing settles in its first measurements). Computed: `balanced_share_of_capacity` (host 2 at half
+a core; target >= 0.9) and `balanced_share_of_capacity_quarter`, with every configuration's share beside.
+
 `--quick` (about 7 minutes on the 2-core VM): DDP, the best averaging configurations of the whole grid at
 100 Mbit/s (`average` p16, `easgd` p16), `async` p4 and `auto`, at 100 Mbit/s only; its target is DDP's own loss
 at the end of its budget there.
@@ -30,7 +37,7 @@ seeds in all for DDP, `average` p64 outer, the best fixed configuration there (b
 else by final loss) and `auto`: 82 minutes at 256 steps on the 2-core VM (the 20 Mbit/s runs of
 DDP and `allreduce` take about 8 minutes each); run it where nothing else runs.
 
-    python benchmarks/fidelity.py [--quick] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
+    python benchmarks/fidelity.py [--quick | --balance] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
                                   [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
     python benchmarks/fidelity.py --draw benchmarks/results/cpu-2core/fidelity.json docs/fidelity.png
     python benchmarks/fidelity.py --table benchmarks/results/cpu-2core/fidelity.json
@@ -58,12 +65,15 @@ sys.path.insert(0, str(HERE.parent))
 MODEL, CONTEXT, BATCH, LR, EVAL_EVERY, EVAL_WINDOWS = "gpt-mini", 64, 32, 3e-3, 64, 128
 WARMUP_SHARE = 0.05
 CONDITIONS = ("100mbit", "unlimited", "20mbit", "slow-host")  # 100 Mbit/s first: its seeds follow its row
+SLOW_HOSTS = {"slow-host": 0.5, "quarter-host": 0.25}  # host 2's share of a core; host 1 has a whole one
+ALONE_STEPS = 64
 SEEDED_CONDITION = "100mbit"
 DDP_PORT = 29700
 
 # (name, strategy, settings): DDP is the reference run beside these.
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("allreduce", "allreduce", {}),
+    ("allreduce balanced", "allreduce", {"balance": True}),
     ("average p16", "average", {"period": 16}),
     ("average p64", "average", {"period": 64}),
     ("average p16 outer", "average", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}),
@@ -77,6 +87,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("auto", "auto", {}),
 ]
 QUICK = ("average p16", "easgd p16", "async p4", "auto")  # the grid's best averaging ones at 100 Mbit/s, and two to judge
+BALANCE = ("allreduce", "allreduce balanced", "async p4", "auto")  # beside the capacity and DDP, --balance
 SEEDED = ("ddp", "average p64 outer", "auto")  # and the best at 100 Mbit/s: --seeds seeds each there
 
 
@@ -107,18 +118,21 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     rank, world_size, steps, seed = spec["rank"], spec["world_size"], spec["steps"], spec["seed"]
+    alone = spec.get("alone", False)  # the capacity: the same loop, no process group, nothing exchanged
     fields = job_fields(steps, seed)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    if not alone:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=600))
     try:
         splits = text_data()
         data = splits.train.load()
-        held_out = splits.eval.load() if rank == 0 else None
+        held_out = splits.eval.load() if rank == 0 and not alone else None
         torch.manual_seed(seed)
-        model = torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
+        model = workbench.gpt(MODEL)() if alone else torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        curve, step, epoch = [], 0, 0
-        dist.barrier()
+        curve, step, epoch, ends = [], 0, 0, []
+        if not alone:
+            dist.barrier()
         started = time.time()
         while step < steps:
             for indices in batches(shard_indices(len(data), world_size, rank, epoch, seed), BATCH):
@@ -133,19 +147,39 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
                 optimizer.step()
                 float(loss.detach())
                 step += 1
+                ends.append(time.time())
                 if held_out is not None and (step % EVAL_EVERY == 0 or step == steps):
                     result = evaluate(model.module, held_out, cross_entropy)
                     curve.append({"step": step, "seconds": time.time() - started, "loss": result["loss"],
                                   "bits_per_char": result["bits_per_char"]})
             epoch += 1
+        if alone:
+            Path(spec["out"]).write_text(json.dumps({"samples_per_s": steady_rate(ends, [BATCH] * len(ends))}))
+            return
         dist.barrier()
         if rank == 0:
-            Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started}))
+            Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started, "steady_samples_per_s":
+                                                     steady_rate(ends, [BATCH * world_size] * len(ends))}))
     finally:
-        dist.destroy_process_group()
+        if not alone:
+            dist.destroy_process_group()
 
 
-def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float) -> dict[str, Any]:
+def steady_rate(ends: list[float], samples: list[int]) -> float | None:
+    """Samples/s of steps ending at `ends` (seconds, in order), over the last three quarters of their span:
+    a run's speed once started (and, balanced, once its first measurements set the shares)."""
+    if len(ends) < 2:
+        return None
+    first, last = ends[0], ends[-1]
+    start = first + (last - first) / 4
+    kept = [(end, count) for end, count in zip(ends, samples) if end > start]
+    span = kept[-1][0] - start if kept else 0.0
+    return sum(count for _, count in kept) / span if span > 0 else None
+
+
+def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float,
+            alone: bool = False) -> dict[str, Any]:
+    """PyTorch DDP on the worker hosts; `alone`: the same loop on each, nothing exchanged (the capacity)."""
     counter[0] += 1
     out = scratch / f"ddp-{counter[0]}.json"
     hosts = list(range(1, lab.size))
@@ -153,7 +187,8 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
            "MASTER_PORT": str(DDP_PORT + counter[0] % 200), "OMP_NUM_THREADS": "1"}
     processes = []
     for rank, host in enumerate(hosts):
-        spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "out": str(out)}
+        spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "alone": alone,
+                "out": str(out.with_suffix(f".{rank}.json")) if alone else str(out)}
         argv = [sys.executable, str(HERE), "--ddp-rank", json.dumps(spec)]
         processes.append((host, lab.spawn(host, argv, f"ddp-{counter[0]}-{rank}", env=env)))
     deadline = time.monotonic() + timeout_s
@@ -168,6 +203,9 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
         lab.processes.remove((host, process))
         if process.returncode not in (0, None) and failed is None:
             failed = f"DDP rank on host {host} exited {process.returncode}: {lab.tail(f'ddp-{counter[0]}-0')}"
+    if alone and not failed:
+        rates = [json.loads(out.with_suffix(f".{rank}.json").read_text())["samples_per_s"] for rank in range(len(hosts))]
+        return {"samples_per_s_by_host": rates, "samples_per_s": sum(rates) if None not in rates else None}
     if failed or not out.exists():
         return {"error": failed or "DDP wrote no result"}
     result = json.loads(out.read_text())
@@ -200,7 +238,9 @@ def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str,
     curve = [{"step": e["step"], "seconds": e["time"] - started, "loss": e["loss"],
               "bits_per_char": e.get("bits_per_char")} for _, e in sorted(by_step.items())]
     summary = run.summary()
-    return {"status": status, "curve": curve, "wall_s": float(frame["time"].max()) - started if len(frame) else None,
+    ordered = frame.sort_values("time") if len(frame) else frame
+    steady = steady_rate(list(ordered["time"]), list(ordered["samples"])) if len(frame) else None
+    return {"status": status, "steady_samples_per_s": steady, "curve": curve, "wall_s": float(frame["time"].max()) - started if len(frame) else None,
             "samples_per_step": BATCH * summary["workers"], "samples_per_s": summary.get("samples_per_s"),
             "staleness_mean": summary.get("staleness", {}).get("mean"),
             "strategies_used": sorted(set(frame["strategy"])) if len(frame) else [],
@@ -252,7 +292,8 @@ def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
     def of(config: str, condition: str) -> list[dict[str, Any]]:
         return [c for c in cells if c["config"] == config and c["condition"] == condition and c.get("curve")]
 
-    reference = "100mbit" if quick else "unlimited"
+    # --balance measures no link condition: its reference is DDP with the host at half a core.
+    reference = "100mbit" if quick else "unlimited" if any(c["condition"] == "unlimited" for c in cells) else "slow-host"
     ddp_final = median_or_none([final_loss(c) for c in of("ddp", reference)])
     result: dict[str, Any] = {"target_loss": ddp_final, "target_from": f"DDP at the end of its budget, {reference}"}
     if ddp_final is None:
@@ -284,6 +325,30 @@ def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
     return result
 
 
+def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Under each slow-host condition: the capacity (the hosts' summed speeds alone, side by side) and each
+    run's steady speed as a share of it; the issue's keys from those."""
+    shares: dict[str, dict[str, float | None]] = {}
+    capacity: dict[str, float | None] = {}
+    for condition in SLOW_HOSTS:
+        alone = [c.get("samples_per_s") for c in cells if c["condition"] == condition and c["config"] == "alone"]
+        capacity[condition] = median_or_none(alone) if alone else None
+        if not capacity[condition]:
+            continue
+        for config in dict.fromkeys(c["config"] for c in cells if c["condition"] == condition):
+            if config == "alone":
+                continue
+            runs = [c for c in cells if c["condition"] == condition and c["config"] == config and c.get("curve")]
+            rates = [c.get("steady_samples_per_s") for c in runs]
+            rate = median_or_none(rates) if rates else None
+            shares.setdefault(condition, {})[config] = rate / capacity[condition] if rate else None
+    if not any(capacity.values()):
+        return {}
+    return {"capacity_samples_per_s": capacity, "share_of_capacity": shares,
+            "balanced_share_of_capacity": shares.get("slow-host", {}).get("allreduce balanced"),
+            "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get("allreduce balanced")}
+
+
 def draw(result_path: Path, picture: Path) -> None:
     """The picture of a result, for the README and the notebooks."""
     sys.path.insert(0, str(HERE.parent.parent))
@@ -305,7 +370,7 @@ def table(result: dict[str, Any]) -> str:
 
     lines = []
     for condition in dict.fromkeys(c["condition"] for c in result["cells"]):
-        runs = [c for c in result["cells"] if c["condition"] == condition]
+        runs = [c for c in result["cells"] if c["condition"] == condition and c["config"] != "alone"]
         names = list(dict.fromkeys(c["config"] for c in runs))
         finals = {n: median_or_none([final_loss(c) for c in runs if c["config"] == n and c.get("curve")])
                   for n in names}
@@ -324,16 +389,17 @@ def table(result: dict[str, Any]) -> str:
                             f"{cell(times.get(name), '.0f')}{' s' if times.get(name) is not None else ''} |"))
         lines.append("")
     keys = ("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
-            "auto_vs_best_fixed_by_condition", "auto_time_to_target_vs_best_fixed")
+            "auto_vs_best_fixed_by_condition", "auto_time_to_target_vs_best_fixed", "capacity_samples_per_s",
+            "share_of_capacity", "balanced_share_of_capacity", "balanced_share_of_capacity_quarter")
     lines += [f"- `{key}`: {json.dumps(result.get(key), default=str)}" for key in keys]
     return "\n".join(lines)
 
 
 def set_condition(lab: Any, condition: str) -> None:
-    if condition == "slow-host":
+    if condition in SLOW_HOSTS:
         lab.set_rate(None)
         lab.set_cpu(1, 1.0)
-        lab.set_cpu(2, 0.5)
+        lab.set_cpu(2, SLOW_HOSTS[condition])
     else:
         for host in range(1, lab.size):
             lab.set_cpu(host, None)
@@ -345,18 +411,22 @@ Cell = tuple[str, str, str, dict[str, Any], int]  # (condition, name, strategy, 
 
 def plan(arguments: argparse.Namespace) -> list[Cell]:
     """Every configuration under every condition, seed 0, in the order measured (`seeded` adds the rest)."""
-    conditions = ["100mbit"] if arguments.quick else [c for c in arguments.conditions.split(",") if c]
-    configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK)
+    balance = getattr(arguments, "balance", False)
+    conditions = (["100mbit"] if arguments.quick else list(SLOW_HOSTS) if balance
+                  else [c for c in arguments.conditions.split(",") if c])
+    configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK) and (not balance or c[0] in BALANCE)
                and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
     ddp = not arguments.only or "ddp" in arguments.only.split(",")  # the reference, unless --only leaves it out
+    alone = [("alone", "alone", {})] if balance else []  # the capacity, before the runs it judges
     return [cell for condition in conditions
-            for cell in [(condition, "ddp", "ddp", {}, 0)] * ddp + [(condition, *c, 0) for c in configs]]
+            for cell in [(condition, *a, 0) for a in alone] + [(condition, "ddp", "ddp", {}, 0)] * ddp
+            + [(condition, *c, 0) for c in configs]]
 
 
 def seeded(arguments: argparse.Namespace, measured: list[dict[str, Any]]) -> list[Cell]:
     """Once the seeded condition's row is measured: its further seeds for DDP, `average` p64 outer, `auto` and
     the best fixed configuration there (known only now)."""
-    if arguments.quick or arguments.seeds < 2:
+    if arguments.quick or getattr(arguments, "balance", False) or arguments.seeds < 2:
         return []
     ddp = median_or_none([final_loss(c) for c in measured if c["config"] == "ddp" and c.get("curve")
                           and c["condition"] == SEEDED_CONDITION])
@@ -368,6 +438,7 @@ def seeded(arguments: argparse.Namespace, measured: list[dict[str, Any]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--balance", action="store_true", help="the slow-host conditions: capacity and balancing")
     parser.add_argument("--steps", type=int, default=256, help="steps per worker, the budget of every run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
@@ -397,8 +468,8 @@ def main() -> None:
     if reason:
         sys.exit(f"benchmarks/fidelity.py needs the emulated-host lab: {reason}")
     steps = arguments.steps
-    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / ("fidelity-quick.json" if arguments.quick
-                                                                          else "fidelity.json"))
+    name = "fidelity-quick.json" if arguments.quick else "fidelity-balance.json" if arguments.balance else "fidelity.json"
+    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -424,8 +495,9 @@ def main() -> None:
             lab.restore_workers(client, [1, 2])
             set_condition(lab, condition)
             cell_began = time.time()
-            if strategy == "ddp":
-                cell = run_ddp(lab, scratch, steps, seed, counter, arguments.cell_timeout_s)
+            if strategy in ("ddp", "alone"):  # alone: a speed, not a curve; ALONE_STEPS are enough for it
+                cell = run_ddp(lab, scratch, min(steps, ALONE_STEPS) if strategy == "alone" else steps, seed, counter,
+                               arguments.cell_timeout_s, alone=strategy == "alone")
             else:
                 try:
                     cell = run_workbench(client, scratch, strategy, settings, steps, seed, arguments.cell_timeout_s)
@@ -436,11 +508,13 @@ def main() -> None:
                         cell_s=time.time() - cell_began)
             document["cells"].append(cell)
             end = cell.get("error") or (f"held-out loss {final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
-                                        if cell.get("curve") else "no evaluation")
+                                        if cell.get("curve") else f"{cell.get('samples_per_s') or 0:.0f} samples/s"
+                                        if strategy == "alone" else "no evaluation")
             print(f"[{(time.time() - began) / 60:5.1f} min] {condition:>9} {name:<32} seed {seed}: {end}", flush=True)
             if condition == SEEDED_CONDITION and seed == 0 and all(c[0] != condition for c in queue):
                 queue[:0] = seeded(arguments, document["cells"])  # the row is measured: its seeds next
-            document.update(headline(document["cells"], arguments.quick), minutes=(time.time() - began) / 60)
+            document.update(headline(document["cells"], arguments.quick), **balance_headline(document["cells"]),
+                            minutes=(time.time() - began) / 60)
             out.write_text(json.dumps(document, indent=1, default=str) + "\n")  # what was measured survives a cut
     print(json.dumps({k: v for k, v in document.items() if k not in ("cells", "machine", "settings", "corpus")},
                      default=str))

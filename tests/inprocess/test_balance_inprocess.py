@@ -39,14 +39,13 @@ def shares_by_step(run) -> dict[int, list[int]]:
 @pytest.mark.parametrize("wire_dtype", ["float32", "bf16"])
 def test_a_slow_rank_gets_a_smaller_share_and_each_update_is_the_whole_batchs(wire_dtype):
     the_job = job(steps=40)
-    # Rank 1 takes 3 ms more per sample (a slower CPU): 48 ms a step at an equal part of 16.
-    run = train_in_process(the_job, "allreduce", WORLD, sample_delays={1: 0.003}, balance=True, rebalance_every=5,
-                           bucket_mb=0.001, wire_dtype=wire_dtype)
+    # Per sample, rank 0 takes 1 ms more and rank 1 3 ms (a CPU three times slower): 8 of 32 is its share.
+    run = train_in_process(the_job, "allreduce", WORLD, sample_delays={0: 0.001, 1: 0.003}, balance=True,
+                           rebalance_every=5, bucket_mb=0.001, wire_dtype=wire_dtype)
     shares = shares_by_step(run)
     assert all(sum(cut) == 2 * the_job.batch_size for cut in shares.values()), "every step trains the global batch"
     assert shares[0] == [16, 16] and shares[4] == [16, 16]  # equal until the first measurement
-    assert shares[5][1] < 16 and shares[39][1] < shares[5][1], "the slow rank's share shrinks as it is measured"
-    assert shares[39][1] <= 4
+    assert all(6 <= shares[step][1] <= 10 for step in range(5, 40)), "the slow rank's share follows its speed"
     if wire_dtype == "float32":
         assert_same_weights(run.results[0]["state_dict"], whole_batch_reference(the_job, run))
     else:  # bf16 on the wire: the same update up to its rounding

@@ -87,11 +87,24 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
     balance.share()
     balance.computed()
     assert balance.rebalance(comm, 3) and comm.calls == 1
-    # Rank 0 made 16 samples/s, rank 1 16/3: the proportional cut is 24/8, half a step from 16/16 is 20/12.
-    assert REBALANCE_STEP == 0.5 and balance.shares == [20, 12]
-    assert balance.share() == (0, 20) and balance.weight == 20 / 32
+    # Rank 0 made 16 samples/s, rank 1 16/3: the first measurement cuts in proportion, 24/8.
+    assert balance.shares == [24, 8]
+    assert balance.share() == (0, 24) and balance.weight == 24 / 32
+    balance.computed()
+    for step in range(5, 8):
+        balance.share()
+        balance.computed()
+    # Later ones move half way: rank 1 now as fast as rank 0 per sample (a third of its 3 s a step).
+    comm.others[1] = 8 / (1 / 3)
+    assert balance.rebalance(comm, 7) and REBALANCE_STEP == 0.5
+    # Rank 0: 24 samples a second; rank 1: 24. Proportional 16/16; half way from 24/8: 20/12.
+    assert balance.shares == [20, 12]
     balance.reset()
     assert balance.shares == [16, 16]
+    balance.share()
+    balance.computed()
+    assert balance.rebalance(Gather({1: 16 / 3.0}, rank=0), 3)  # after a reset the first step is whole again
+    assert balance.shares == [24, 8]
 
 
 def test_a_rank_that_measured_nothing_keeps_the_cut():

@@ -117,3 +117,32 @@ def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
     assert rows[1][2:6] == ["1.900", "0.905", "20 s", "15 s |"]  # 2.1 at 10 + 10 * (2.3 - 2.1) / (2.3 - 1.9) s
     assert rows[2][5] == "never |" and rows[3][2].startswith("failed: TimeoutError")
     assert "- `auto_time_to_target_vs_best_fixed`: null" in lines
+
+
+def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
+    arguments = argparse.Namespace(quick=False, balance=True, conditions="", only=None, seeds=3)
+    plan = fidelity.plan(arguments)
+    assert [(c[0], c[1]) for c in plan[:6]] == [
+        ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"), ("slow-host", "allreduce balanced"),
+        ("slow-host", "async p4"), ("slow-host", "auto")]
+    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 12
+    assert fidelity.seeded(arguments, []) == []
+    cells = [dict(cell("ddp", "slow-host", [(40, 2.5), (80, 2.1)]), steady_samples_per_s=200.0),
+             dict(cell("allreduce balanced", "slow-host", [(30, 2.3), (60, 2.1)]), steady_samples_per_s=285.0),
+             {"condition": "slow-host", "config": "alone", "seed": 0, "samples_per_s": 300.0,
+              "samples_per_s_by_host": [200.0, 100.0]},
+             {"condition": "quarter-host", "config": "alone", "seed": 0, "samples_per_s": 250.0},
+             dict(cell("allreduce balanced", "quarter-host", [(30, 2.3)]), steady_samples_per_s=200.0)]
+    result = fidelity.balance_headline(cells)
+    assert result["capacity_samples_per_s"] == {"slow-host": 300.0, "quarter-host": 250.0}
+    assert result["share_of_capacity"]["slow-host"] == {"ddp": pytest.approx(2 / 3), "allreduce balanced": 0.95}
+    assert result["balanced_share_of_capacity"] == 0.95 and result["balanced_share_of_capacity_quarter"] == 0.8
+    assert fidelity.headline(cells, quick=False)["target_from"].endswith("slow-host")  # no unlimited row
+    assert fidelity.balance_headline([c for c in cells if c["config"] != "alone"]) == {}
+
+
+def test_a_steady_rate_leaves_the_first_quarter_of_the_time_out():
+    # Steps of 16 samples ending each second for 8 s, after a slow first one: 0-2 s is the first quarter.
+    ends = [0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert fidelity.steady_rate(ends, [16] * 8) == pytest.approx(16 * 6 / 6.0)
+    assert fidelity.steady_rate([1.0], [16]) is None

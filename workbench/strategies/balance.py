@@ -13,8 +13,10 @@ from typing import Any
 
 from workbench.sharding import balanced_shares, share_range
 
-# Half a step toward the measured proportions at each rebalance: measurements on a busy machine are noisy,
-# and a full step on one noisy window would swing the shares back and forth.
+# Half a step toward the measured proportions at each rebalance after the first: measurements on a busy
+# machine are noisy, and a full step on each noisy window would swing the shares back and forth. The first
+# takes the whole step: equal shares say nothing, and on the lab (GPT, a host at a quarter of a core) half
+# steps from them took five measurements, 50 steps of 0.3-0.6 s, to come near the speeds.
 REBALANCE_STEP = 0.5
 
 
@@ -28,6 +30,7 @@ class BatchBalance:
         self._started: float | None = None
         self._samples = 0
         self._compute_s = 0.0
+        self._measured = False  # no rebalance yet: the first takes the whole step
 
     def share(self) -> tuple[int, int]:
         """Where this rank's samples lie in the step's global batch; marks the step's start for the timing."""
@@ -56,11 +59,12 @@ class BatchBalance:
         self._samples, self._compute_s = 0, 0.0
         if min(rates) <= 0:  # a rank measured nothing yet (it joined this window): keep the cut
             return False
-        shares = balanced_shares(rates, self.total, minimum=1, current=self.shares, step=REBALANCE_STEP)
-        changed, self.shares = shares != self.shares, shares
+        step_size = REBALANCE_STEP if self._measured else 1.0
+        shares = balanced_shares(rates, self.total, minimum=1, current=self.shares, step=step_size)
+        changed, self.shares, self._measured = shares != self.shares, shares, True
         return changed
 
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._samples, self._compute_s, self._started = 0, 0.0, None
+        self._samples, self._compute_s, self._started, self._measured = 0, 0.0, None, False
