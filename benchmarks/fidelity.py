@@ -158,8 +158,9 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
             return
         dist.barrier()
         if rank == 0:
-            Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started, "steady_samples_per_s":
-                                                     steady_rate(ends, [BATCH * world_size] * len(ends))}))
+            steady = steady_rate(ends, [BATCH * world_size] * len(ends))
+            Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started,
+                                                     "steady_samples_per_s": steady}))
     finally:
         if not alone:
             dist.destroy_process_group()
@@ -240,7 +241,8 @@ def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str,
     summary = run.summary()
     ordered = frame.sort_values("time") if len(frame) else frame
     steady = steady_rate(list(ordered["time"]), list(ordered["samples"])) if len(frame) else None
-    return {"status": status, "steady_samples_per_s": steady, "curve": curve, "wall_s": float(frame["time"].max()) - started if len(frame) else None,
+    return {"status": status, "steady_samples_per_s": steady, "curve": curve,
+            "wall_s": float(frame["time"].max()) - started if len(frame) else None,
             "samples_per_step": BATCH * summary["workers"], "samples_per_s": summary.get("samples_per_s"),
             "staleness_mean": summary.get("staleness", {}).get("mean"),
             "strategies_used": sorted(set(frame["strategy"])) if len(frame) else [],
@@ -293,7 +295,8 @@ def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
         return [c for c in cells if c["config"] == config and c["condition"] == condition and c.get("curve")]
 
     # --balance measures no link condition: its reference is DDP with the host at half a core.
-    reference = "100mbit" if quick else "unlimited" if any(c["condition"] == "unlimited" for c in cells) else "slow-host"
+    unlimited = any(c["condition"] == "unlimited" for c in cells)
+    reference = "100mbit" if quick else "unlimited" if unlimited else "slow-host"
     ddp_final = median_or_none([final_loss(c) for c in of("ddp", reference)])
     result: dict[str, Any] = {"target_loss": ddp_final, "target_from": f"DDP at the end of its budget, {reference}"}
     if ddp_final is None:
@@ -468,7 +471,8 @@ def main() -> None:
     if reason:
         sys.exit(f"benchmarks/fidelity.py needs the emulated-host lab: {reason}")
     steps = arguments.steps
-    name = "fidelity-quick.json" if arguments.quick else "fidelity-balance.json" if arguments.balance else "fidelity.json"
+    name = ("fidelity-quick.json" if arguments.quick else "fidelity-balance.json" if arguments.balance
+            else "fidelity.json")
     out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {

@@ -68,3 +68,26 @@ def test_balance_turned_off_live_gives_equal_parts_from_the_agreed_step():
     changed = min(step for step, cut in shares.items() if step > 20 and cut == [16, 16])
     assert all(shares[step] == [16, 16] for step in range(changed, 40))
     assert_same_weights(run.results[0]["state_dict"], whole_batch_reference(the_job, run))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_balanced_averaging_weights_each_change_by_its_samples(overlap):
+    # Every step, plain SGD: the sample-weighted mean of the workers' steps is one step on the global batch.
+    # Overlapped, each average lands one period late: the same weights at the end only without it.
+    the_job = job(steps=40, momentum=0.0)
+    run = train_in_process(the_job, "average", WORLD, sample_delays={0: 0.001, 1: 0.003}, balance=True,
+                           rebalance_every=5, period=1, overlap=overlap)
+    shares = shares_by_step(run)
+    assert all(sum(cut) == 32 for cut in shares.values()) and shares[0] == [16, 16]
+    assert all(6 <= shares[step][1] <= 10 for step in range(6, 40)), "the slow rank's share follows its speed"
+    if not overlap:
+        assert_same_weights(run.results[0]["state_dict"], whole_batch_reference(the_job, run))
+
+
+def test_balanced_averaging_with_a_longer_period_cuts_anew_at_syncs():
+    run = train_in_process(job(steps=48), "average", WORLD, sample_delays={0: 0.001, 1: 0.003}, balance=True,
+                           rebalance_every=8, period=8)
+    shares = shares_by_step(run)
+    changes = [step for step in range(1, 48) if shares[step] != shares[step - 1]]
+    assert changes and all(step % 8 == 0 for step in changes), "the cut changes only after a sync"
+    assert shares[47][1] <= 10

@@ -344,6 +344,13 @@ HOST_PERIOD_MS = 10
 SLOW_LINK = "5mbit"  # a float32 exchange of the model here, hundreds of steps: past what averaging hides
 
 
+def _share(run, worker, since):
+    """The samples `worker` took in its latest step recorded after `since` (None: none yet)."""
+    steps = run.table.steps()
+    mine = steps[(steps["worker"] == worker) & (steps["time"] > since)]
+    return int(mine["samples"].iloc[-1]) if len(mine) else None
+
+
 def _next_decision(run, before, timeout_s=60):
     """The run's auto decision after its first `before`, once it has come."""
     run._wait_for(lambda: len(run.events(kinds.AUTO_DECISION)) > before, timeout_s, f"{before + 1} auto decisions")
@@ -382,23 +389,27 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         timings["link back"] = link_back["time"] - restored
         assert link_back["to"] in SYNCHRONOUS and "the link is back" in link_back["reason"], link_back
         assert link_back["lr"] == pytest.approx(job.lr)
-        # 3. The last worker host at 40% of the others' CPU: a straggler, which nobody should wait for.
+        # 3. The last worker host at 40% of the others' CPU: a straggler, which nobody should wait for. First
+        # the move that stays synchronous: its share of each global batch cut to its speed.
+        straggling = WORKER_HOSTS - 1
         lab.set_cpu(WORKER_HOSTS, 0.4 * HOST_SHARE, period_ms=HOST_PERIOD_MS)
         slowed = time.time()
         straggler = _next_decision(run, before + 2)
         timings["straggler"] = straggler["time"] - slowed
-        assert straggler["to"] == "easgd", straggler
-        assert f"worker {WORKER_HOSTS - 1} computes at" in straggler["reason"] and "nobody waits" in straggler["reason"]
-        assert straggler["lr"] == pytest.approx(job.lr)  # each worker steps at the job's lr
-        # 4. The host gets its CPU back: synchronous again, the lr back where it was.
+        assert straggler["to"] == link_back["to"] and straggler["settings"] == {"balance": True}, straggler
+        assert f"worker {straggling} computes at" in straggler["reason"] and "balanced" in straggler["reason"]
+        assert straggler["lr"] == pytest.approx(job.lr)
+        shrunk = 0.6 * job.batch_size
+        run._wait_for(lambda: (_share(run, straggling, straggler["time"]) or job.batch_size) <= shrunk, 60,
+                      "the straggler's share to shrink")
+        # 4. The host gets its CPU back: its share follows, with no switch to make.
         lab.set_cpu(WORKER_HOSTS, HOST_SHARE, period_ms=HOST_PERIOD_MS)
         restored = time.time()
-        back = _next_decision(run, before + 3)
-        timings["back"] = back["time"] - restored
-        assert back["to"] in SYNCHRONOUS and "workers even again" in back["reason"], back
-        assert back["lr"] == pytest.approx(job.lr)
+        run._wait_for(lambda: (_share(run, straggling, restored) or 0) >= 0.8 * job.batch_size, 60,
+                      "the straggler's share back")
+        timings["back"] = time.time() - restored
         # One decision per condition change at most: no flapping.
-        assert len(run.events(kinds.AUTO_DECISION)) == before + 4, run.events(kinds.AUTO_DECISION)[before:]
+        assert len(run.events(kinds.AUTO_DECISION)) == before + 3, run.events(kinds.AUTO_DECISION)[before:]
     finally:
         lab.set_rate(None)
         for host in range(1, WORKER_HOSTS + 1):
@@ -406,8 +417,9 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         run.stop()
         run.wait(120)
     # Measured on the 2-core VM (hosts at half a core over 10 ms): see the print below for this run's.
-    # Bounds: the chooser confirms a move in two or three windows of 2 s, and switches at least 8 s apart.
+    # Bounds: the chooser confirms a move in two or three windows of 2 s, and switches at least 8 s apart;
+    # a share follows its host's speed at the next syncs.
     assert run.status == "stopped" and timings["link"] < 15 and timings["straggler"] < 15, timings
     assert timings["link back"] < 20 and timings["back"] < 20, timings
-    assert run.evaluate()["accuracy"] >= 0.9  # it kept learning through four switches
+    assert run.evaluate()["accuracy"] >= 0.9  # it kept learning through three moves
     print(f"auto reacted after {timings}")

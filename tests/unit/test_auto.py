@@ -60,8 +60,9 @@ def past_its_first_choice(chooser):
     ("allreduce", {"balance": False}, 0.01, {0: 1000.0, 1: 450.0}, ("allreduce", {"balance": True})),
     ("allreduce", {"balance": True}, 0.01, {0: 1000.0, 1: 450.0}, ("easgd", {"period": 16})),
     ("allreduce", {"balance": True}, 0.01, {0: 1000.0, 1: 950.0}, None),  # balanced: the steps even
-    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 16})),
-    ("average", {"period": 64}, 0.5, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 64})),
+    ("average", {"period": 8}, 0.05, {0: 1000.0, 1: 500.0}, ("average", {"balance": True})),
+    ("average", {"period": 8, "balance": True}, 0.05, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 16})),
+    ("average", {"period": 64, "balance": True}, 0.5, {0: 1000.0, 1: 500.0}, ("easgd", {"period": 64})),
     ("easgd", {"period": 16}, 0.01, {0: 1000.0, 1: 700.0}, None),  # still uneven: stays
     ("easgd", {"period": 16}, 0.01, {0: 1000.0, 1: 950.0}, ("allreduce", {})),  # even again, fast link
     ("easgd", {"period": 16}, 0.2, {0: 1000.0, 1: 950.0}, ("average", {"period": 32, "overlap": True})),
@@ -143,7 +144,8 @@ def test_easgd_taken_for_the_link_comes_back_with_the_link_though_the_centers_ho
     assert "the link is back (2.0 steps an exchange)" in back.reason and not chooser.for_link
     # Taken for a straggler, the same readings keep it: the spread is what it waits on.
     chooser = past_its_first_choice(Chooser(workers=3, confirm=1, min_interval_s=0))
-    took = chooser.observe(window("average", 0.05, rates={0: 1000.0, 1: 1000.0, 2: 400.0}), {"period": 8}, 0)
+    took = chooser.observe(window("average", 0.05, rates={0: 1000.0, 1: 1000.0, 2: 400.0}),
+                           {"period": 8, "balance": True}, 0)  # balanced already: the steps stayed uneven
     assert took.strategy == "easgd" and not chooser.for_link and chooser.straggler is not None
     slow_center = {0: 650.0, 1: 1000.0, 2: 600.0}  # the straggler not quite back, the center's host slower
     assert [chooser.observe(window("easgd", 0.2, rates=slow_center), {"period": 16}, t) for t in (1, 2, 3)] == [None] * 3
@@ -238,8 +240,12 @@ def test_a_straggler_under_averaging_is_read_as_a_straggler_not_a_slow_link():
                             "comm_total_s": (0.002 if worker == 2 else 0.194) if synced else None})
     window = measure(records, "average")
     assert window.exchange_s == pytest.approx(0.002) and window.slowest == 2
-    strategy, settings, reason = fitting(window, {"period": 64, "wire_dtype": "bf16", "overlap": True})
+    balanced = {"period": 64, "wire_dtype": "bf16", "overlap": True, "balance": True}
+    strategy, settings, reason = fitting(window, balanced)
     assert strategy == "easgd" and reason.startswith("worker 2 computes at 40% of the others' speed")
+    # Not balanced yet, or with data each worker holds its own of: the batch cut first, or elastic averaging.
+    assert fitting(window, {**balanced, "balance": False})[:2] == ("average", {"balance": True})
+    assert fitting(window, {**balanced, "balance": False}, can_balance=False)[0] == "easgd"
 
 
 def test_a_window_is_measured_from_step_records():

@@ -83,10 +83,10 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
     for step in range(3):
         assert balance.share() == (0, 16) and balance.weight == 0.5
         balance.computed()
-        assert not balance.rebalance(comm, step) and comm.calls == 0
+        assert not balance.due
     balance.share()
     balance.computed()
-    assert balance.rebalance(comm, 3) and comm.calls == 1
+    assert balance.due and balance.rebalance(comm) and comm.calls == 1 and not balance.due
     # Rank 0 made 16 samples/s, rank 1 16/3: the first measurement cuts in proportion, 24/8.
     assert balance.shares == [24, 8]
     assert balance.share() == (0, 24) and balance.weight == 24 / 32
@@ -96,18 +96,18 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
         balance.computed()
     # Later ones move half way: rank 1 now as fast as rank 0 per sample (a third of its 3 s a step).
     comm.others[1] = 8 / (1 / 3)
-    assert balance.rebalance(comm, 7) and REBALANCE_STEP == 0.5
+    assert balance.due and balance.rebalance(comm) and REBALANCE_STEP == 0.5
     # Rank 0: 24 samples a second; rank 1: 24. Proportional 16/16; half way from 24/8: 20/12.
     assert balance.shares == [20, 12]
     balance.reset()
     assert balance.shares == [16, 16]
     balance.share()
     balance.computed()
-    assert balance.rebalance(Gather({1: 16 / 3.0}, rank=0), 3)  # after a reset the first step is whole again
+    assert balance.rebalance(Gather({1: 16 / 3.0}, rank=0))  # after a reset the first step is whole again
     assert balance.shares == [24, 8]
 
 
 def test_a_rank_that_measured_nothing_keeps_the_cut():
     balance = BatchBalance(rank=0, world_size=2, batch_size=8, every=1)
-    assert not balance.rebalance(Gather({1: 10.0}, rank=0), 0)
+    assert not balance.rebalance(Gather({1: 10.0}, rank=0))
     assert balance.shares == [8, 8]

@@ -296,7 +296,8 @@ def test_the_switch_settings_are_a_form_made_from_the_strategy_not_a_json_box(tm
         controls.switch_button.clicks += 1
         assert hub.sent[-1] == ("live", "switch", "olivia", {"strategy": "average", "settings": {
             "period": 64, "average_optimizer_state": False, "overlap": True, "wire_dtype": "bf16",
-            "outer_lr": 1.0, "outer_momentum": 0.0, "sparse_density": None, "sparse_bits": 2}})
+            "outer_lr": 1.0, "outer_momentum": 0.0, "sparse_density": None, "sparse_bits": 2, "balance": False,
+            "rebalance_every": 10}})
         # Another strategy: its defaults, an optional number left empty means its default (None).
         controls.strategy_select.value = "async"
         form = controls.settings_form.widgets

@@ -18,8 +18,10 @@ import linecache
 import logging
 import multiprocessing
 import os
+import socket
 import ssl
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +30,7 @@ import dask
 import psutil
 from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster, Security
+from distributed.comm import get_address_host_port
 from distributed.system import MEMORY_LIMIT
 
 from workbench.cluster.restarts import keep_restarting_nannies
@@ -361,6 +364,31 @@ def _temporary_security() -> Security:
                           "distributed.Security with certificate files") from None
 
 
+# A port that refuses every connection this long has no scheduler behind it (one starting listens within a
+# second or two): said then, not after the whole `timeout_s` that a scheduler which does not answer gets.
+REFUSED_S = 3.0
+
+
+def _refused_throughout(address: str, within_s: float) -> bool:
+    """Whether every TCP connection to `address` was refused for `within_s` seconds. Anything else (it
+    connects, no answer, no route, an address that is not host:port) is for Dask's own connect to judge."""
+    try:
+        host, port = get_address_host_port(address)
+    except (ValueError, TypeError):
+        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, within_s))):
+                return False
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
+        except OSError:
+            return False
+
+
 def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
     if not isinstance(address, str) or "://" not in address and ":" not in address:
         raise ConfigError("scheduler", address, "an address such as 'tcp://127.0.0.1:8786' or 'tls://host:8786'")
@@ -379,6 +407,12 @@ def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
     if scheme == "tcp" and effective.require_encryption:
         raise ConfigError("scheduler", address, "a tls:// address when TLS is required",
                           "A scheduler started with certificates listens on tls://host:port")
+    refused_s = min(REFUSED_S, timeout_s)
+    if _refused_throughout(address, refused_s):
+        raise ClusterError(
+            f"could not reach the Dask scheduler at {address}: the connection was refused for {refused_s:g} s "
+            "(nothing listens on that port). Check that 'dask scheduler' runs there and the address and port "
+            "are right.")
     try:
         return Client(address, security=security, timeout=f"{timeout_s}s")
     except (OSError, TimeoutError, ValueError) as error:

@@ -21,9 +21,9 @@ from typing import Any
 
 SYNCHRONOUS = ("allreduce", "average")
 PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr (README)
-# What a straggler gets under allreduce first: its share of each global batch cut to its speed (`balance`),
-# the same updates at the cluster's summed speed. Where that does not even the steps, or under `average`:
-# elastic averaging, where each worker exchanges with the center on its own every
+# What a straggler gets under a synchronous strategy first: its share of each global batch cut to its speed
+# (`balance`), the cluster's summed speed with nobody waiting. Where that does not even the steps: elastic
+# averaging, where each worker exchanges with the center on its own every
 # `period` steps, so nobody waits. Measured on the lab with one host at 30% of a core (benchmarks/auto.py,
 # MLP 64-1024-1024-10): easgd period 16 reached the target in 105 s at 7,300 samples/s, average p16 (in
 # lockstep with the straggler) in 157 s at 3,300, and async push_every 4 in 204-227 s at 3,100: its
@@ -178,13 +178,13 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     spread = window.speed_spread if spread is None else spread
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
-    if spread < STRAGGLER_BELOW and current == "allreduce" and can_balance and not settings.get("balance"):
-        # First the move that keeps training synchronous and exact: the straggler takes a smaller share of
-        # each global batch. Where that cannot even the steps (a delay that is not per sample; data each
-        # worker holds its own of), the spread stays and the next window leaves for elastic averaging.
-        return ("allreduce", {"balance": True},
-                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: allreduce, balanced "
-                f"(each worker's share of the global batch follows its speed; the same updates)")
+    if spread < STRAGGLER_BELOW and not asynchronous and can_balance and not settings.get("balance"):
+        # First the move that keeps training synchronous: the straggler takes a smaller share of each global
+        # batch (a live setting of both synchronous strategies). Where that cannot even the steps (a delay
+        # that is not per sample), the spread stays and the next window leaves for elastic averaging.
+        return (current, {"balance": True},
+                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {current}, balanced "
+                f"(each worker's share of the global batch follows its speed)")
     if spread < STRAGGLER_BELOW and not asynchronous:
         # The period that hides the exchange, at least 16: each exchange is also served by the center.
         period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD

@@ -176,7 +176,8 @@ class AllReduce(Strategy):
             return {}
         if self._balancing():
             started = time.perf_counter()
-            self.balance.rebalance(self.comm, step)
+            if self.balance.due:
+                self.balance.rebalance(self.comm)
             return {"bytes_sent": self.bytes_sent, "comm_s": time.perf_counter() - started}
         return {"bytes_sent": self.bytes_sent}
 

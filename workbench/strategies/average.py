@@ -12,6 +12,11 @@ For slow links (arithmetic in `averaging`, tested there without a process group)
   period later, waits for it and applies it keeping each worker's progress made meanwhile
   (`averaging.delayed_apply`). `finish`, `carry_out` and checkpoints complete an exchange in flight.
 
+`balance` (live) cuts each local step's global batch by the workers' measured speeds (`strategies/balance.py`,
+re-cut at syncs) and weights each worker's change since the global weights by its share of the samples: on
+mixed hardware the workers' periods end together, and with period 1 and plain SGD it is still one process
+on the global batch.
+
 Every worker's weights are always the common global weights (`global_weights`, equal on all ranks)
 plus its own progress not yet averaged; that invariant is what lets overlap be switched on and off
 live. Metrics: steps since the last sync; at each sync `bytes_sent` (what a ring all-reduce sends per
@@ -46,12 +51,13 @@ from workbench.comm.averaging import (
     unflatten_into,
 )
 from workbench.errors import ConfigError
+from workbench.strategies.balance import BatchBalance
 from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
 
 
 @dataclasses.dataclass
 class AverageSettings(StrategySettings):
-    live = ("period", "overlap", "wire_dtype", "outer_lr", "outer_momentum")
+    live = ("period", "overlap", "wire_dtype", "outer_lr", "outer_momentum", "balance", "rebalance_every")
 
     period: int = 4
     """Steps between parameter averages (1 = every step)."""
@@ -70,6 +76,10 @@ class AverageSettings(StrategySettings):
     None sends it whole."""
     sparse_bits: int = 2
     """Bits per value sent when `sparse_density` is set: 2, 4 or 8."""
+    balance: bool = False
+    """Share each local step's global batch out by the workers' measured speeds; changes weighted by samples."""
+    rebalance_every: int = 10
+    """With balance: steps measured before the next sync cuts the batch anew."""
 
     def validate(self) -> None:
         check_positive_int("period", self.period)
@@ -87,8 +97,13 @@ class AverageSettings(StrategySettings):
         momentum = self.outer_momentum
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ConfigError("outer_momentum", momentum, "a number in [0, 1), e.g. 0.9 (0 = no momentum)")
+        if not isinstance(self.balance, bool):
+            raise ConfigError("balance", self.balance, "True or False")
+        check_positive_int("rebalance_every", self.rebalance_every)
         if self.sparse_density is not None:
             sparse_outer.check_sparse(self.sparse_density, self.sparse_bits)
+            if self.balance:  # its residual is this worker's unsent change, unweighted: the weights would mix
+                raise ConfigError("balance", True, "False while sparse_density is set")
             if self.wire_dtype != "float32":
                 raise ConfigError("wire_dtype", self.wire_dtype, "'float32' while sparse_density is set",
                                   f"A sparse exchange sends {self.sparse_bits}-bit values already; leave "
@@ -150,6 +165,9 @@ class Average(Strategy):
         density = self.settings.sparse_density
         self.feedback = None if density is None else sparse_outer.OuterFeedback(
             weights.numel(), density, self.settings.sparse_bits, weights.device)
+        balanceable = context.global_batches and self.world_size > 1
+        self.balance = (BatchBalance(context.rank, self.world_size, context.job.batch_size,
+                                     self.settings.rebalance_every) if balanceable else None)
 
     def restore(self, strategy_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
         self.restored = strategy_state
@@ -164,12 +182,37 @@ class Average(Strategy):
             carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
         if self.feedback is not None:  # a worker's progress not sent yet is its own too
             carried.weights = carried.weights + self.feedback.residual
+        scale = self._scale()
+        if scale is not None:  # balanced: each worker's progress counts for its share of the samples
+            carried.weights = global_weights + (carried.weights - global_weights) * scale
         context.comm.all_reduce_mean(carried.weights)
         # On the CPU: the checkpoint travels to the client, which may have no GPU.
         return carried, {"steps_since_sync": self.steps_since_sync,
                          "global_weights": global_weights.to("cpu", copy=True),
                          "outer_momentum_buffer": None if buffer is None else buffer.to("cpu", copy=True),
                          "exchange_in_flight": in_flight}
+
+    def _balancing(self) -> bool:
+        return self.balance is not None and self.settings.balance
+
+    def _scale(self) -> float | None:
+        """Balanced: what this worker's change counts for in the mean, its share of the samples times the
+        workers (the mean divides by them); None: equal shares, plain mean."""
+        return self.balance.weight * self.world_size if self._balancing() else None
+
+    def batch_share(self, context: TrainingContext) -> tuple[int, int] | None:
+        return self.balance.share() if self._balancing() else None
+
+    def after_backward(self, context: TrainingContext) -> dict[str, Any]:
+        if self._balancing():
+            self.balance.computed()
+        return {}
+
+    def _rebalance(self) -> None:
+        """At a sync with nothing in flight on the process group (the exchange just landed, the next not
+        started): a new cut once enough steps are measured."""
+        if self._balancing() and self.balance.due:
+            self.balance.rebalance(self.comm)
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
         self.steps_since_sync += 1
@@ -180,6 +223,7 @@ class Average(Strategy):
             report = self._overlapped_sync()
         else:
             report = self._synchronise(context)
+            self._rebalance()
             report["comm_s"] = time.perf_counter() - started
             # An overlapped exchange waited for at the control point, then applied there (overlap turned
             # off): the step's record counts that wait in its comm_s, so its total has it too.
@@ -260,6 +304,10 @@ class Average(Strategy):
         super().update_settings(changes)
         if not self.settings.overlap and self.exchange is not None:
             self._land()
+        if self.balance is not None:
+            self.balance.every = self.settings.rebalance_every
+            if not self.settings.balance:
+                self.balance.reset()
 
     # --- the two kinds of sync -----------------------------------------------------------------------
 
@@ -267,7 +315,7 @@ class Average(Strategy):
         """Blocking: average now, apply the outer step, every worker continues from the new global weights
         (`whole`: every worker's whole change, never sparse)."""
         local = flatten(self.parameters)
-        work, mean, sent = self._encode(local, whole)
+        work, mean, sent = self._encode(local, whole, self._scale())
         launched = time.perf_counter()
         self.comm.wait(work)
         # The exchange alone, apart from the sync's own copies around it (flatten, encode, the
@@ -288,10 +336,14 @@ class Average(Strategy):
         self.steps_since_sync = 0
         return {"divergence": divergence, "bytes_sent": sent, "exchange_s": exchange_s}
 
-    def _encode(self, weights: torch.Tensor, whole: bool = False) -> tuple[Any, Callable[[], torch.Tensor], int]:
-        """Start the exchange of this worker's `weights` (flat, kept unchanged until it lands): the work,
-        how to read the workers' mean weights once it is done, and the bytes each worker sends."""
+    def _encode(self, weights: torch.Tensor, whole: bool = False,
+                scale: float | None = None) -> tuple[Any, Callable[[], torch.Tensor], int]:
+        """Start the exchange of this worker's `weights` (flat, kept unchanged until it lands), its change
+        times `scale` when balanced: the work, how to read the workers' mean weights once it is done, and
+        the bytes each worker sends."""
         base, world = self.global_weights, self.world_size
+        if scale is not None:
+            weights = base + (weights - base) * scale
         if self.feedback is None or whole:
             summed = encode_weights(weights, base, WIRE_DTYPES[self.settings.wire_dtype], world)
             work = self.comm.start_all_reduce(summed)
@@ -314,15 +366,17 @@ class Average(Strategy):
             if self.exchange.finished <= started:  # it ended behind the steps: its own duration, all hidden
                 report["exchange_s"] = self.exchange.finished - self.exchange.launched
             report["divergence"], weights = self._land()
-        report["bytes_sent"] = self._start_exchange(flatten(self.parameters) if weights is None else weights)
+        scale = self._scale()  # the period's share, before a new cut changes it
+        self._rebalance()
+        report["bytes_sent"] = self._start_exchange(flatten(self.parameters) if weights is None else weights, scale)
         self.steps_since_sync = 0
         report["comm_s"] = time.perf_counter() - started
         report["comm_total_s"] = report["comm_s"] + hidden
         return report
 
-    def _start_exchange(self, snapshot: torch.Tensor) -> int:
+    def _start_exchange(self, snapshot: torch.Tensor, scale: float | None) -> int:
         """Start the all-reduce of this worker's weights `snapshot` (flat, kept unchanged until it lands)."""
-        work, mean, sent = self._encode(snapshot)
+        work, mean, sent = self._encode(snapshot, scale=scale)
         self.exchange = _Exchange(work, mean, self.global_weights, snapshot, time.perf_counter())
         self.comm.when_done(work, self.exchange.note_finished)
         return sent

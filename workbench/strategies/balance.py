@@ -1,10 +1,12 @@
-"""A rank's share of the group's global batch, balanced to the ranks' measured speeds (`allreduce` with `balance`).
+"""A rank's share of the group's global batch, balanced to the ranks' measured speeds (`balance` of
+`allreduce` and `average`).
 
 Each rank times its own compute (from the start of a step to its gradients being ready) per sample.
-Every `every` steps the ranks share those speeds, and each computes the same new cut of the global batch
-(`sharding.balanced_shares`): a worker twice as fast takes twice the samples, so the ranks' gradients are
-ready together and no one waits for a straggler. The gradients are weighted by samples (`weight`), so
-each update is the one a single process would make on the same global batch.
+Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
+the ranks share those speeds, and each computes the same new cut of the global batch
+(`sharding.balanced_shares`): a worker twice as fast takes twice the samples, so the ranks' steps end
+together and no one waits for a straggler. What each rank sends is weighted by its samples (`weight`):
+under `allreduce` each update is the one a single process would make on the same global batch.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class BatchBalance:
         self._started: float | None = None
         self._samples = 0
         self._compute_s = 0.0
+        self._steps = 0  # measured since the last rebalance: the same count on every rank
         self._measured = False  # no rebalance yet: the first takes the whole step
 
     def share(self) -> tuple[int, int]:
@@ -48,15 +51,18 @@ class BatchBalance:
             self._compute_s += time.perf_counter() - self._started
             self._samples += self.shares[self.rank]
             self._started = None
+            self._steps += 1
 
-    def rebalance(self, comm: Any, step: int) -> bool:
-        """At every `every`-th step (the same on every rank), share the speeds and cut anew. Collective.
-        Returns whether the shares changed."""
-        if (step + 1) % self.every:
-            return False
+    @property
+    def due(self) -> bool:
+        """Whether `every` steps are measured since the last cut (the same on every rank in step)."""
+        return self._steps >= self.every
+
+    def rebalance(self, comm: Any) -> bool:
+        """Share the speeds and cut anew: every rank at the same step. Returns whether the shares changed."""
         own = self._samples / self._compute_s if self._compute_s > 0 else 0.0
         rates = [float(rate) for rate in comm.all_gather_json(own)]
-        self._samples, self._compute_s = 0, 0.0
+        self._samples, self._compute_s, self._steps = 0, 0.0, 0
         if min(rates) <= 0:  # a rank measured nothing yet (it joined this window): keep the cut
             return False
         step_size = REBALANCE_STEP if self._measured else 1.0
@@ -67,4 +73,4 @@ class BatchBalance:
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._samples, self._compute_s, self._started, self._measured = 0, 0.0, None, False
+        self._samples, self._compute_s, self._started, self._steps, self._measured = 0, 0.0, None, 0, False
