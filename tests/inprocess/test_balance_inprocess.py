@@ -1,32 +1,17 @@
-"""Balanced `allreduce` in one process: a rank made slow per sample gets a smaller share of each global
-batch, the shares follow its speed, and every update is still the one a single process makes on the
-whole global batch (bit for bit up to float rounding)."""
+"""Balanced `allreduce` and `average` in one process: a rank made slow per sample gets a smaller share of
+each global batch, the shares follow its speed, and every update is still the one a single process makes
+on the whole global batch (bit for bit up to float rounding; `average` with period 1 and plain SGD)."""
 import pytest
 import torch
 
-from inprocess.test_inprocess import WORLD, assert_same_weights, job
-from workbench.data import Shard
-from workbench.job import loss_function, make_optimizer
+from inprocess.test_inprocess import WORLD, assert_same_weights, job, reference
 from workbench.testing import train_in_process
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def whole_batch_reference(the_job, run, world: int = WORLD) -> dict[str, torch.Tensor]:
-    """A plain PyTorch loop on each step's global batch (every rank's share of it, whatever the cut)."""
-    data = the_job.prepare().train.load()
-    shard = Shard(data, world, 0, the_job.seed, run.shard_samples, False)
-    per_epoch = run.shard_samples // the_job.batch_size
-    model = the_job.model()
-    optimizer = make_optimizer(the_job, model.parameters())
-    loss_fn = loss_function(the_job)
-    for step in range(run.total_steps):
-        epoch, index = divmod(step, per_epoch)
-        inputs, targets = data.batch(shard.epoch_rows(epoch, the_job.batch_size)[index])
-        optimizer.zero_grad()
-        loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-    return model.state_dict()
+def whole_batch_reference(the_job, run) -> dict[str, torch.Tensor]:
+    return reference(the_job, run, whole=True)
 
 
 def shares_by_step(run) -> dict[int, list[int]]:

@@ -39,9 +39,10 @@ def job(**changes) -> workbench.Job:
     return workbench.Job(**fields)
 
 
-def reference(the_job: workbench.Job, run, world: int = WORLD) -> dict[str, torch.Tensor]:
+def reference(the_job: workbench.Job, run, world: int = WORLD, whole: bool = False) -> dict[str, torch.Tensor]:
     """A plain PyTorch loop, one process: at each step, the mean of the ranks' losses on the batches
-    each rank took at that step."""
+    each rank took at that step (`whole`: the loss on the step's whole global batch, whatever the ranks'
+    shares of it, which is what a balanced cut weighted by samples must give)."""
     prepared = the_job.prepare()
     data = prepared.train.load()
     shards = [Shard(data, world, rank, the_job.seed, run.shard_samples, False) for rank in range(world)]
@@ -52,6 +53,11 @@ def reference(the_job: workbench.Job, run, world: int = WORLD) -> dict[str, torc
     for step in range(run.total_steps):
         epoch, index = divmod(step, per_epoch)
         optimizer.zero_grad()
+        if whole:
+            inputs, targets = data.batch(shards[0].epoch_rows(epoch, the_job.batch_size)[index])
+            loss_fn(model(inputs), targets).backward()
+            optimizer.step()
+            continue
         losses = []
         for shard in shards:
             inputs, targets = data.batch(shard.epoch_batches(epoch, the_job.batch_size)[index])
