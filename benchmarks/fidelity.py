@@ -29,6 +29,14 @@ balanced, `async` p4 and `auto`. Each run's steady speed counts its records afte
 time (balancing settles in its first measurements). Computed: `balanced_share_of_capacity` (host 2 at half
 a core; target >= 0.9) and `balanced_share_of_capacity_quarter`, with every configuration's share beside.
 
+`--thin` (issue 45, links ten times thinner): DDP on the unlimited link (at equal samples the link changes
+no loss, only the time), then `average` p64 outer overlapped in bf16 and the sparse outer exchange (1/64 of
+each change in 2 bits, error feedback; periods 16 and 64) under unlimited, 20 and 10 Mbit/s. Computed:
+`best_retention_10mbit` (the best configuration's steady speed at 10 Mbit/s against its own unlimited;
+the best is the fastest kept whose held-out loss is within 3% of DDP's, else the fastest kept),
+`sync_gap_10mbit` (its held-out loss against DDP's at the end of the budget, as a fraction) and
+`sparse_bytes_ratio` (a dense float32 exchange's bytes over a sparse one's, as sent).
+
 `--quick` (about 7 minutes on the 2-core VM): DDP, the best averaging configurations of the whole grid at
 100 Mbit/s (`average` p16, `easgd` p16), `async` p4 and `auto`, at 100 Mbit/s only; its target is DDP's own loss
 at the end of its budget there.
@@ -37,7 +45,7 @@ seeds in all for DDP, `average` p64 outer, the best fixed configuration there (b
 else by final loss) and `auto`: 82 minutes at 256 steps on the 2-core VM (the 20 Mbit/s runs of
 DDP and `allreduce` take about 8 minutes each); run it where nothing else runs.
 
-    python benchmarks/fidelity.py [--quick | --balance] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
+    python benchmarks/fidelity.py [--quick | --balance | --thin] [--steps 256] [--seeds 3] [--conditions unlimited,100mbit]
                                   [--only average] [--out benchmarks/results/cpu-2core/fidelity.json]
     python benchmarks/fidelity.py --draw benchmarks/results/cpu-2core/fidelity.json docs/fidelity.png
     python benchmarks/fidelity.py --table benchmarks/results/cpu-2core/fidelity.json
@@ -66,6 +74,8 @@ MODEL, CONTEXT, BATCH, LR, EVAL_EVERY, EVAL_WINDOWS = "gpt-mini", 64, 32, 3e-3, 
 WARMUP_SHARE = 0.05
 CONDITIONS = ("100mbit", "unlimited", "20mbit", "slow-host")  # 100 Mbit/s first: its seeds follow its row
 SLOW_HOSTS = {"slow-host": 0.5, "quarter-host": 0.25}  # host 2's share of a core; host 1 has a whole one
+THIN_CONDITIONS = ("unlimited", "20mbit", "10mbit")
+THIN_GAP = 0.03  # held-out loss within this of DDP's at equal samples (issue 45)
 ALONE_STEPS = 64
 SEEDED_CONDITION = "100mbit"
 DDP_PORT = 29700
@@ -80,6 +90,10 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("average p64 outer", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9}),
     ("average p64 outer overlap bf16", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9,
                                                    "overlap": True, "wire_dtype": "bf16"}),
+    ("average p16 outer overlap sparse", "average", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                                     "overlap": True, "sparse_density": 1 / 64, "sparse_bits": 2}),
+    ("average p64 outer overlap sparse", "average", {"period": 64, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                                     "overlap": True, "sparse_density": 1 / 64, "sparse_bits": 2}),
     ("async p4", "async", {"push_every": 4}),
     ("ssp p4", "ssp", {"push_every": 4}),
     ("easgd p16", "easgd", {"period": 16}),
@@ -88,6 +102,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 QUICK = ("average p16", "easgd p16", "async p4", "auto")  # the grid's best averaging ones at 100 Mbit/s, and two to judge
 BALANCE = ("allreduce", "allreduce balanced", "async p4", "auto")  # beside the capacity and DDP, --balance
+THIN = ("average p64 outer overlap bf16", "average p16 outer overlap sparse", "average p64 outer overlap sparse")
 SEEDED = ("ddp", "average p64 outer", "auto")  # and the best at 100 Mbit/s: --seeds seeds each there
 
 
@@ -241,12 +256,17 @@ def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str,
     summary = run.summary()
     ordered = frame.sort_values("time") if len(frame) else frame
     steady = steady_rate(list(ordered["time"]), list(ordered["samples"])) if len(frame) else None
+    # What one exchange sends per worker, as sent: the median over the records that sent anything (a
+    # sparse run's last average is whole, once).
+    sent = frame["bytes_sent"].dropna() if "bytes_sent" in frame else []
+    sent = [value for value in sent if value > 0]
     return {"status": status, "steady_samples_per_s": steady, "curve": curve,
             "wall_s": float(frame["time"].max()) - started if len(frame) else None,
             "samples_per_step": BATCH * summary["workers"], "samples_per_s": summary.get("samples_per_s"),
             "staleness_mean": summary.get("staleness", {}).get("mean"),
             "strategies_used": sorted(set(frame["strategy"])) if len(frame) else [],
-            "bytes_sent_per_step": summary.get("bytes_sent_per_step")}
+            "bytes_sent_per_step": summary.get("bytes_sent_per_step"),
+            "bytes_per_exchange": statistics.median(sent) if sent else None}
 
 
 # --- the figures, computed -------------------------------------------------------------------------------------
@@ -352,6 +372,40 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get("allreduce balanced")}
 
 
+def thin_headline(cells: list[dict[str, Any]], parameters: int) -> dict[str, Any]:
+    """On thin links: each configuration's steady speed at 20 and 10 Mbit/s against its own unlimited one,
+    and its held-out loss against DDP's (unlimited) at the end of the same budget; the issue's keys."""
+    def of(config: str, condition: str) -> list[dict[str, Any]]:
+        return [c for c in cells if c["config"] == config and c["condition"] == condition and c.get("curve")]
+
+    ddp = median_or_none([final_loss(c) for c in of("ddp", "unlimited")])
+    configs = [name for name in dict.fromkeys(c["config"] for c in cells if c["condition"] in ("10mbit", "20mbit"))
+               if name != "ddp"]
+    if ddp is None or not configs:
+        return {}
+    table: dict[str, dict[str, Any]] = {}
+    for name in configs:
+        rates = {condition: median_or_none([c.get("steady_samples_per_s") for c in of(name, condition)])
+                 for condition in THIN_CONDITIONS}
+        row: dict[str, Any] = {"samples_per_s": rates}
+        for condition in ("20mbit", "10mbit"):
+            both = rates[condition], rates["unlimited"]
+            row[f"retention_{condition}"] = both[0] / both[1] if None not in both else None
+            loss = median_or_none([final_loss(c) for c in of(name, condition)])
+            row[f"gap_{condition}"] = (loss - ddp) / ddp if loss is not None else None
+        table[name] = row
+    measured = [n for n in configs if table[n]["retention_10mbit"] is not None]
+    close = [n for n in measured if table[n]["gap_10mbit"] is not None and table[n]["gap_10mbit"] <= THIN_GAP]
+    best = max(close or measured, key=lambda n: table[n]["retention_10mbit"]) if measured else None
+    sparse = [c["bytes_per_exchange"] for c in cells if c.get("settings", {}).get("sparse_density")
+              and c.get("bytes_per_exchange")]
+    dense_fp32 = 4 * parameters  # a ring all-reduce of two workers sends the whole payload once
+    return {"thin": table, "ddp_loss_unlimited": ddp, "best_at_10mbit": best,
+            "best_retention_10mbit": table[best]["retention_10mbit"] if best else None,
+            "sync_gap_10mbit": table[best]["gap_10mbit"] if best else None,
+            "sparse_bytes_ratio": dense_fp32 / statistics.median(sparse) if sparse else None}
+
+
 def draw(result_path: Path, picture: Path) -> None:
     """The picture of a result, for the README and the notebooks."""
     sys.path.insert(0, str(HERE.parent.parent))
@@ -393,7 +447,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append("")
     keys = ("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
             "auto_vs_best_fixed_by_condition", "auto_time_to_target_vs_best_fixed", "capacity_samples_per_s",
-            "share_of_capacity", "balanced_share_of_capacity", "balanced_share_of_capacity_quarter")
+            "share_of_capacity", "balanced_share_of_capacity", "balanced_share_of_capacity_quarter",
+            "best_at_10mbit", "best_retention_10mbit", "sync_gap_10mbit", "sparse_bytes_ratio")
     lines += [f"- `{key}`: {json.dumps(result.get(key), default=str)}" for key in keys]
     return "\n".join(lines)
 
@@ -414,22 +469,28 @@ Cell = tuple[str, str, str, dict[str, Any], int]  # (condition, name, strategy, 
 
 def plan(arguments: argparse.Namespace) -> list[Cell]:
     """Every configuration under every condition, seed 0, in the order measured (`seeded` adds the rest)."""
-    balance = getattr(arguments, "balance", False)
-    conditions = (["100mbit"] if arguments.quick else list(SLOW_HOSTS) if balance
+    balance, thin = getattr(arguments, "balance", False), getattr(arguments, "thin", False)
+    conditions = (["100mbit"] if arguments.quick else list(SLOW_HOSTS) if balance else list(THIN_CONDITIONS) if thin
                   else [c for c in arguments.conditions.split(",") if c])
-    configs = [c for c in CONFIGS if (not arguments.quick or c[0] in QUICK) and (not balance or c[0] in BALANCE)
+    chosen = QUICK if arguments.quick else BALANCE if balance else THIN if thin else None
+    configs = [c for c in CONFIGS if (chosen is None or c[0] in chosen)
                and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
     ddp = not arguments.only or "ddp" in arguments.only.split(",")  # the reference, unless --only leaves it out
     alone = [("alone", "alone", {})] if balance else []  # the capacity, before the runs it judges
+
+    def with_ddp(condition: str) -> bool:  # thin: on the unlimited link only (hours at 10 Mbit/s, same loss)
+        return ddp and (not thin or condition == "unlimited")
+
     return [cell for condition in conditions
-            for cell in [(condition, *a, 0) for a in alone] + [(condition, "ddp", "ddp", {}, 0)] * ddp
+            for cell in [(condition, *a, 0) for a in alone] + [(condition, "ddp", "ddp", {}, 0)] * with_ddp(condition)
             + [(condition, *c, 0) for c in configs]]
 
 
 def seeded(arguments: argparse.Namespace, measured: list[dict[str, Any]]) -> list[Cell]:
     """Once the seeded condition's row is measured: its further seeds for DDP, `average` p64 outer, `auto` and
     the best fixed configuration there (known only now)."""
-    if arguments.quick or getattr(arguments, "balance", False) or arguments.seeds < 2:
+    if arguments.quick or getattr(arguments, "balance", False) or getattr(arguments, "thin", False) \
+            or arguments.seeds < 2:
         return []
     ddp = median_or_none([final_loss(c) for c in measured if c["config"] == "ddp" and c.get("curve")
                           and c["condition"] == SEEDED_CONDITION])
@@ -442,6 +503,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--balance", action="store_true", help="the slow-host conditions: capacity and balancing")
+    parser.add_argument("--thin", action="store_true", help="links of 20 and 10 Mbit/s: the sparse outer exchange")
     parser.add_argument("--steps", type=int, default=256, help="steps per worker, the budget of every run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
@@ -467,18 +529,21 @@ def main() -> None:
     from network import machine
     from testbed import lab as labs
 
+    import workbench
+
     reason = labs.available()
     if reason:
         sys.exit(f"benchmarks/fidelity.py needs the emulated-host lab: {reason}")
     steps = arguments.steps
     name = ("fidelity-quick.json" if arguments.quick else "fidelity-balance.json" if arguments.balance
-            else "fidelity.json")
+            else "fidelity-thin.json" if arguments.thin else "fidelity.json")
     out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **commit(), "machine": machine(),
-        "settings": {"model": MODEL, "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
+        "settings": {"model": MODEL, "parameters": sum(p.numel() for p in workbench.gpt(MODEL)().parameters()),
+                     "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
                      "budget": f"{steps} steps per worker ({steps * BATCH * 2} samples) for every run",
                      "eval_every": EVAL_EVERY, "eval_windows": EVAL_WINDOWS, "quick": arguments.quick,
                      "slow_host": "host 2 at 0.5 core, host 1 at 1.0, unlimited link", "worker_hosts": 2,
@@ -518,6 +583,7 @@ def main() -> None:
             if condition == SEEDED_CONDITION and seed == 0 and all(c[0] != condition for c in queue):
                 queue[:0] = seeded(arguments, document["cells"])  # the row is measured: its seeds next
             document.update(headline(document["cells"], arguments.quick), **balance_headline(document["cells"]),
+                            **thin_headline(document["cells"], document["settings"]["parameters"]),
                             minutes=(time.time() - began) / 60)
             out.write_text(json.dumps(document, indent=1, default=str) + "\n")  # what was measured survives a cut
     print(json.dumps({k: v for k, v in document.items() if k not in ("cells", "machine", "settings", "corpus")},

@@ -40,20 +40,36 @@ def global_batches(n_samples: int, world_size: int, epoch: int, seed: int, batch
     return list(rows)
 
 
-def balanced_shares(rates: Sequence[float], total: int, minimum: int = 1,
-                    current: Sequence[int] | None = None, step: float = 1.0) -> list[int]:
-    """Samples of a global batch of `total` for each rank, in proportion to its speed (`rates`, samples/s),
-    as whole numbers summing to `total`, none under `minimum`.
+def balanced_shares(rates: Sequence[float], total: int, minimum: int = 1, current: Sequence[int] | None = None,
+                    step: float = 1.0, fixed_s: Sequence[float] | None = None) -> list[int]:
+    """Samples of a global batch of `total` for each rank, as whole numbers summing to `total`, none under
+    `minimum`, so that every rank's step takes as long: rank r computes `rates[r]` samples/s on top of
+    `fixed_s[r]` seconds a step that no share changes (its optimizer step; none by default, which makes
+    the shares proportional to the rates).
 
-    With `current` shares, the result moves `step` of the way from them toward the proportional ones
-    (measurements are noisy; half steps settle instead of swinging). The same inputs give the same shares
-    on every rank, so ranks that share their rates agree on the cut without another exchange.
+    With `current` shares, the result moves `step` of the way from them toward those (measurements are
+    noisy; half steps settle instead of swinging). The same inputs give the same shares on every rank, so
+    ranks that share their measurements agree on the cut without another exchange.
     """
+    fixed = [0.0] * len(rates) if fixed_s is None else list(fixed_s)
     if not rates or any(not (math.isfinite(rate) and rate > 0) for rate in rates):
         raise ValueError(f"rates must be positive and finite, got {list(rates)}")
+    if len(fixed) != len(rates) or any(not (math.isfinite(f) and f >= 0) for f in fixed):
+        raise ValueError(f"fixed_s must be one time >= 0 per rate, got {fixed}")
     if minimum * len(rates) > total:
         raise ValueError(f"{len(rates)} shares of at least {minimum} do not fit in {total}")
-    ideal = [total * rate / sum(rates) for rate in rates]
+    # Equal step times: fixed[r] + share[r] / rates[r] = T for every rank, the shares summing to `total`;
+    # a rank whose fixed time alone exceeds T is held at the minimum and the others share the rest.
+    held: set[int] = set()
+    while True:
+        free = [r for r in range(len(rates)) if r not in held]
+        room = total - minimum * len(held)
+        step_s = (room + sum(rates[r] * fixed[r] for r in free)) / sum(rates[r] for r in free)
+        ideal = [float(minimum) if r in held else rates[r] * (step_s - fixed[r]) for r in range(len(rates))]
+        below = [r for r in free if ideal[r] < minimum * (1 - 1e-9)]  # float rounding is not below
+        if not below or len(below) == len(free):
+            break  # (all of them below: only where `total` is the minimums' sum, each holds its minimum)
+        held.update(below)
     if current is not None:
         ideal = [old + step * (new - old) for old, new in zip(current, ideal)]
     return _apportion(ideal, total, minimum)

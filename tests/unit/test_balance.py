@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.sharding import balanced_shares, batches, global_batches, shard_indices, share_range
-from workbench.strategies.balance import REBALANCE_STEP, BatchBalance
+from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance
 
 
 @given(n=st.integers(1, 400), world=st.integers(1, 6), batch=st.integers(1, 9), epoch=st.integers(0, 3),
@@ -67,7 +67,7 @@ def test_share_ranges_lay_the_shares_out_in_rank_order():
 class Gather:
     """The ranks' all-gather, each rank's value given in advance (what the others measured)."""
 
-    def __init__(self, others: dict[int, float], rank: int) -> None:
+    def __init__(self, others: dict[int, list[float]], rank: int) -> None:
         self.others, self.rank, self.calls = others, rank, 0
 
     def all_gather_json(self, value):
@@ -79,35 +79,51 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: next(clock))
     balance = BatchBalance(rank=0, world_size=2, batch_size=16, every=4)
-    comm = Gather({1: 16 / 3.0}, rank=0)  # rank 1 took 3 s per 16 samples; rank 0 takes 1 s per step here
-    for step in range(3):
-        assert balance.share() == (0, 16) and balance.weight == 0.5
+    comm = Gather({1: [16 / 3.0, 0.0]}, rank=0)  # rank 1 took 3 s per 16 samples, no optimizer time
+
+    def step():  # 1 s of compute, 1 s of exchange, 1 s of optimizer step (the clock ticks a second a call)
+        start = balance.share()
         balance.computed()
-        assert not balance.due
-    balance.share()
-    balance.computed()
-    assert balance.due and balance.rebalance(comm) and comm.calls == 1 and not balance.due
-    # Rank 0 made 16 samples/s, rank 1 16/3: the first measurement cuts in proportion, 24/8.
-    assert balance.shares == [24, 8]
-    assert balance.share() == (0, 24) and balance.weight == 24 / 32
-    balance.computed()
-    for step in range(5, 8):
-        balance.share()
-        balance.computed()
-    # Later ones move half way: rank 1 now as fast as rank 0 per sample (a third of its 3 s a step).
-    comm.others[1] = 8 / (1 / 3)
-    assert balance.due and balance.rebalance(comm) and REBALANCE_STEP == 0.5
-    # Rank 0: 24 samples a second; rank 1: 24. Proportional 16/16; half way from 24/8: 20/12.
+        balance.exchanged()
+        balance.stepped()
+        return start
+
+    for _ in range(2):
+        assert step() == (0, 16) and balance.weight == 0.5 and not balance.due
+    step()
+    # The first cut after FIRST_CUT_STEPS (3), later ones after `every` (4).
+    assert FIRST_CUT_STEPS == 3 and balance.due and balance.rebalance(comm) and comm.calls == 1
+    assert not balance.due
+    # Rank 0: 16 samples a second of compute and 1 s a step fixed (its optimizer step); rank 1: 16/3 and
+    # none. Equal step times: 1 + b0 / 16 = b1 / (16 / 3), b0 + b1 = 32: b0 = 20, b1 = 12.
     assert balance.shares == [20, 12]
+    assert balance.share() == (0, 20) and balance.weight == 20 / 32
+    comm.others[1] = [16 / 3.0, 1.0]  # rank 1's optimizer step as long: then in proportion, 24/8
+    for _ in range(4):
+        step()
+    assert balance.due and balance.rebalance(comm) and REBALANCE_STEP == 0.5
+    # Rank 0 now computes 20 samples a second (its share, in a tick), rank 1 16/3, both 1 s fixed: equal
+    # times at 25.3/6.7; a later cut goes half way there from 20/12.
+    assert balance.shares == [23, 9]
     balance.reset()
-    assert balance.shares == [16, 16]
-    balance.share()
-    balance.computed()
-    assert balance.rebalance(Gather({1: 16 / 3.0}, rank=0))  # after a reset the first step is whole again
+    assert balance.shares == [16, 16] and not balance.due
+    for _ in range(3):
+        step()
+    assert balance.rebalance(Gather({1: [16 / 3.0, 1.0]}, rank=0))  # after a reset the first cut is whole
     assert balance.shares == [24, 8]
 
 
 def test_a_rank_that_measured_nothing_keeps_the_cut():
     balance = BatchBalance(rank=0, world_size=2, batch_size=8, every=1)
-    assert not balance.rebalance(Gather({1: 10.0}, rank=0))
+    assert not balance.rebalance(Gather({1: [10.0, 0.0]}, rank=0))
     assert balance.shares == [8, 8]
+
+
+def test_shares_even_the_step_times_when_a_part_of_the_step_is_fixed():
+    # A fast rank (190 samples/s) and one at a quarter of its speed with a slower optimizer step too.
+    assert balanced_shares([190.0, 45.0], 64) == [52, 12]
+    assert balanced_shares([190.0, 45.0], 64, fixed_s=[0.01, 0.04]) == [53, 11]
+    # A rank whose fixed time alone outlasts the others' whole step keeps the minimum.
+    assert balanced_shares([100.0, 100.0], 64, minimum=2, fixed_s=[0.0, 1.0]) == [62, 2]
+    with pytest.raises(ValueError):
+        balanced_shares([1.0, 1.0], 8, fixed_s=[0.0])

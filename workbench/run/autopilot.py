@@ -56,6 +56,10 @@ class AutoPilot:
         # from before the link fell read as fast and cleared the choice the slow one had begun to
         # confirm; counted twice, a single slow exchange could confirm a move on its own.
         self._since: dict[int, float] = {}
+        # When the last choice was made: later windows judge only what came after it. A setting changed
+        # live (balance) keeps the strategy, and the records from before it would still read the straggler
+        # it was made for, confirming a move away before the change could show.
+        self._applied_at = 0.0
 
     def tick(self, run: Any, now: float) -> None:
         """Judge the last window when one is due, or sooner when the exchange it waits on has landed;
@@ -96,9 +100,10 @@ class AutoPilot:
                 run.set_lr(lr)
             live = get_strategy(run.strategy).settings_class.live
             if choice.strategy == run.strategy and set(choice.settings) <= set(live):
-                run.update(**choice.settings)  # a live setting (allreduce's balance): no switch to make
+                run.update(**choice.settings)  # a live setting (balance): no switch to make
             else:
                 run.switch(choice.strategy, by_auto=True, **choice.settings)
+            self._applied_at = time.time()
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
 
@@ -136,7 +141,8 @@ class AutoPilot:
         """The window of the last `seconds`, counting only exchanges not judged before, and each worker's
         newest record in it."""
         workers = len(run.worker_addresses)
-        records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy and r["worker"] < workers]
+        records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy
+                   and r["worker"] < workers and r["time"] > self._applied_at]
         return measure(records, run.strategy, self._since), _newest(records)
 
     def turn_on(self, run: Any) -> None:

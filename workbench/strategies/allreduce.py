@@ -168,6 +168,8 @@ class AllReduce(Strategy):
             sent += bucket.in_flight.numel() * bucket.in_flight.element_size()
             bucket.ready, bucket.work = 0, None
         self.bytes_sent = all_reduce_bytes_sent(sent, self.world_size)
+        if balancing:
+            self.balance.exchanged()
         return {"comm_s": time.perf_counter() - started}
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
@@ -175,6 +177,7 @@ class AllReduce(Strategy):
         if not self.buckets:
             return {}
         if self._balancing():
+            self.balance.stepped()
             started = time.perf_counter()
             if self.balance.due:
                 self.balance.rebalance(self.comm)

@@ -215,6 +215,8 @@ class Average(Strategy):
             self.balance.rebalance(self.comm)
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+        if self._balancing():
+            self.balance.stepped()
         self.steps_since_sync += 1
         if self.steps_since_sync < self.settings.period:
             return {"steps_since_sync": self.steps_since_sync}

@@ -1,11 +1,12 @@
 """A rank's share of the group's global batch, balanced to the ranks' measured speeds (`balance` of
 `allreduce` and `average`).
 
-Each rank times its own compute (from the start of a step to its gradients being ready) per sample.
+Each rank times its own compute (from the start of a step to its gradients being ready) per sample, and
+what its step costs whatever its share (the optimizer step, from the exchange's end to `after_step`).
 Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
-the ranks share those speeds, and each computes the same new cut of the global batch
-(`sharding.balanced_shares`): a worker twice as fast takes twice the samples, so the ranks' steps end
-together and no one waits for a straggler. What each rank sends is weighted by its samples (`weight`):
+the ranks share those measurements, and each computes the same new cut of the global batch
+(`sharding.balanced_shares`): a worker twice as fast takes about twice the samples, so the ranks' steps
+end together and no one waits for a straggler. What each rank sends is weighted by its samples (`weight`):
 under `allreduce` each update is the one a single process would make on the same global batch.
 """
 from __future__ import annotations
@@ -20,6 +21,11 @@ from workbench.sharding import balanced_shares, share_range
 # takes the whole step: equal shares say nothing, and on the lab (GPT, a host at a quarter of a core) half
 # steps from them took five measurements, 50 steps of 0.3-0.6 s, to come near the speeds.
 REBALANCE_STEP = 0.5
+# The first cut comes after this many steps measured, whatever `every`: equal shares keep the fast workers
+# waiting at every step, and `auto`, which turned balance on, judges the next windows by whether the steps
+# came even (on the lab, GPT, a host at a quarter of a core: 10 steps of 0.7 s were 7 s, and `auto` had
+# left for easgd before the first cut).
+FIRST_CUT_STEPS = 3
 
 
 class BatchBalance:
@@ -32,6 +38,8 @@ class BatchBalance:
         self._started: float | None = None
         self._samples = 0
         self._compute_s = 0.0
+        self._fixed_s = 0.0  # optimizer steps measured, from the exchange's end to `after_step`
+        self._free_at: float | None = None
         self._steps = 0  # measured since the last rebalance: the same count on every rank
         self._measured = False  # no rebalance yet: the first takes the whole step
 
@@ -48,29 +56,47 @@ class BatchBalance:
     def computed(self) -> None:
         """The step's gradients are ready: its compute time counts toward this rank's speed."""
         if self._started is not None:
-            self._compute_s += time.perf_counter() - self._started
+            now = time.perf_counter()
+            self._compute_s += now - self._started
             self._samples += self.shares[self.rank]
-            self._started = None
+            self._started, self._free_at = None, now
             self._steps += 1
+
+    def exchanged(self) -> None:
+        """The step's exchange is done (under allreduce, after the gradients' all-reduce): the optimizer
+        step comes next."""
+        if self._free_at is not None:
+            self._free_at = time.perf_counter()
+
+    def stepped(self) -> None:
+        """At `after_step`: the optimizer has stepped, in a time no share changes."""
+        if self._free_at is not None:
+            self._fixed_s += time.perf_counter() - self._free_at
+            self._free_at = None
 
     @property
     def due(self) -> bool:
-        """Whether `every` steps are measured since the last cut (the same on every rank in step)."""
-        return self._steps >= self.every
+        """Whether enough steps are measured since the last cut (`every`; FIRST_CUT_STEPS for the first),
+        the same on every rank in step."""
+        return self._steps >= (self.every if self._measured else min(self.every, FIRST_CUT_STEPS))
 
     def rebalance(self, comm: Any) -> bool:
-        """Share the speeds and cut anew: every rank at the same step. Returns whether the shares changed."""
-        own = self._samples / self._compute_s if self._compute_s > 0 else 0.0
-        rates = [float(rate) for rate in comm.all_gather_json(own)]
-        self._samples, self._compute_s, self._steps = 0, 0.0, 0
-        if min(rates) <= 0:  # a rank measured nothing yet (it joined this window): keep the cut
+        """Share the measurements and cut anew: every rank at the same step. Returns whether the shares
+        changed."""
+        own = ([self._samples / self._compute_s, self._fixed_s / self._steps] if self._compute_s > 0 and self._steps
+               else [0.0, 0.0])
+        measured = [(float(rate), float(fixed)) for rate, fixed in comm.all_gather_json(own)]
+        self._samples, self._compute_s, self._fixed_s, self._steps = 0, 0.0, 0.0, 0
+        if min(rate for rate, _ in measured) <= 0:  # a rank measured nothing yet (it joined): keep the cut
             return False
         step_size = REBALANCE_STEP if self._measured else 1.0
-        shares = balanced_shares(rates, self.total, minimum=1, current=self.shares, step=step_size)
+        shares = balanced_shares([rate for rate, _ in measured], self.total, minimum=1, current=self.shares,
+                                 step=step_size, fixed_s=[fixed for _, fixed in measured])
         changed, self.shares, self._measured = shares != self.shares, shares, True
         return changed
 
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._samples, self._compute_s, self._started, self._steps, self._measured = 0, 0.0, None, 0, False
+        self._samples, self._compute_s, self._fixed_s, self._steps = 0, 0.0, 0.0, 0
+        self._started, self._free_at, self._measured = None, None, False
