@@ -154,7 +154,7 @@ def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_
     assert plan[0] == ("unlimited", "ddp") and sum(name == "ddp" for _, name in plan) == 1
     assert {condition for condition, _ in plan} == {"unlimited", "20mbit", "10mbit"}
     assert len(plan) == 1 + 3 * len(fidelity.THIN) and fidelity.seeded(arguments, []) == []
-    dense, sparse = "average p64 outer overlap bf16", "average p16 outer overlap sparse"
+    dense, sparse = "average p16 overlap bf16", "average p16 sparse"
 
     def run(config, condition, rate, loss, sent, settings=None):
         return dict(cell(config, condition, [(10, 3.0), (20, loss)]), steady_samples_per_s=rate,
