@@ -165,9 +165,15 @@ def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_
              run(sparse, "unlimited", 290.0, 2.08, 30, {"sparse_density": 1 / 64}),
              run(sparse, "10mbit", 290.0, 2.08, 30, {"sparse_density": 1 / 64})]
     result = fidelity.thin_headline(cells, parameters=1000)
-    # The sparse one keeps all its speed but ends 4% above DDP: the dense one (95%, 2.5%) is the best.
+    # Both keep over 0.9 of their speed; the dense one ends closer to DDP (2.5% against 4%): the best.
     assert result["thin"][sparse]["retention_10mbit"] == 1.0 and result["thin"][sparse]["gap_10mbit"] > 0.03
     assert result["best_at_10mbit"] == dense and result["best_retention_10mbit"] == pytest.approx(0.95)
-    assert result["sync_gap_10mbit"] == pytest.approx(0.025)
+    assert result["sync_gap_10mbit"] == pytest.approx(0.025) and result["targets_met_10mbit"]
+    # The dense one slowed to half its speed: only the sparse one keeps 0.9, and it is the best, though its
+    # loss misses the 3%.
+    slowed = [dict(c, steady_samples_per_s=150.0) if c["config"] == dense and c["condition"] == "10mbit" else c
+              for c in cells]
+    result = fidelity.thin_headline(slowed, parameters=1000)
+    assert result["best_at_10mbit"] == sparse and not result["targets_met_10mbit"]
     assert result["sparse_bytes_ratio"] == pytest.approx(4000 / 30)
     assert fidelity.thin_headline([c for c in cells if c["config"] != "ddp"], 1000) == {}
