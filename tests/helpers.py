@@ -33,6 +33,19 @@ def end_processes(processes, timeout_s=20):
             process.wait(timeout=10)
 
 
+def cli_in_process(argv, capsys):
+    """`workbench ARGV` run by its `main` in this process: (exit code, stderr lines). What a bad argument
+    gets is the same code path as from the installed command, without a new interpreter importing torch
+    (2.5-3.5 s each on 2 cores); tests/cluster/test_existing_cluster_and_cli.py runs the command itself too."""
+    from workbench.cli.main import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 @contextlib.contextmanager
 def dask_cluster_on_loopback(directory, workers=2, flags=()):
     """`dask scheduler` and `dask worker` processes on 127.0.0.1 (with extra `flags`, e.g. TLS files);

@@ -21,7 +21,7 @@ from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
 
 import helpers
-from helpers import certificate_files, chromium, dask_cluster_on_loopback, end_processes, wait_until
+from helpers import certificate_files, chromium, cli_in_process, dask_cluster_on_loopback, end_processes, wait_until
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
@@ -104,15 +104,14 @@ def test_dashboard_served_from_the_notebook_follows_a_run_on_the_tls_cluster(tls
     ("train", ["--tls-ca-file", "{ca}", "--tls-cert", "{cert}", "--tls-key", "{cert}"], "--tls-cert"),
     ("dashboard", [], "--tls-ca-file"),  # a tls:// scheduler without certificates
 ])
-def test_cli_refuses_bad_tls_files_with_one_line(tmp_path, command, extra, fragment):
+def test_cli_refuses_bad_tls_files_with_one_line(tmp_path, command, extra, fragment, capsys, monkeypatch):
     files = certificate_files(tmp_path)
     arguments = [argument.format(**files) for argument in extra]
+    monkeypatch.chdir(tmp_path)  # where 'missing.pem' is looked for, and is not
     # Port 9 (discard) has no scheduler: a message about it would mean the files were not checked first.
-    result = subprocess.run([WORKBENCH, command, "--scheduler", "tls://127.0.0.1:9", *arguments],
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and fragment in lines[0] and "could not reach" not in lines[0], result.stderr
+    code, lines = cli_in_process([command, "--scheduler", "tls://127.0.0.1:9", *arguments], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert fragment in lines[0] and "could not reach" not in lines[0], lines
 
 
 def tls_dask_cluster(tmp_path: Path, files: dict[str, str], workers: int = 2):
