@@ -39,10 +39,13 @@ def cli_in_process(argv, capsys):
     (2.5-3.5 s each on 2 cores); tests/cluster/test_existing_cluster_and_cli.py runs the command itself too."""
     from workbench.cli.main import main
 
+    niceness = os.nice(0)
     try:
         code = main(list(argv))
     except SystemExit as stop:  # argparse's usage errors
         code = stop.code
+    # Refused input changes nothing of the process (`workbench dashboard` renices itself once it serves).
+    assert os.nice(0) == niceness, f"workbench {' '.join(argv)} changed the process's niceness"
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 

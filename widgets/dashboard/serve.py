@@ -182,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(arguments: argparse.Namespace) -> int:
     options = _checked_arguments(arguments)
+    security = tls_security(arguments)  # the files are checked before connecting, and before renicing
+    cluster_module.check_connection(arguments.scheduler, security)
     if arguments.nice:
         # Before any thread starts: on Linux a thread's niceness is its own, and new threads inherit it.
         os.nice(arguments.nice)
-    security = tls_security(arguments)  # the files are checked before connecting
     client = cluster_module.connect(scheduler=arguments.scheduler, security=security)
     hub = Hub(client, arguments.runs_dir).start()
     sign_in = bool(arguments.basic_auth or arguments.oauth_provider)

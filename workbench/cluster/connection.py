@@ -390,23 +390,7 @@ def _refused_throughout(address: str, within_s: float) -> bool:
 
 
 def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
-    if not isinstance(address, str) or "://" not in address and ":" not in address:
-        raise ConfigError("scheduler", address, "an address such as 'tcp://127.0.0.1:8786' or 'tls://host:8786'")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError("timeout_s", timeout_s, "a number of seconds > 0")
-    if security is True:
-        raise ConfigError("security", True, "a distributed.Security holding the cluster's certificates",
-                          "security=True makes throwaway certificates, good only for a cluster started here; "
-                          "use workbench.security_from_files(ca_file, cert, key)")
-    scheme = address.split("://", 1)[0] if "://" in address else "tcp"
-    effective = security if security is not None else Security()  # None: Dask's configuration decides
-    if scheme == "tls" and not (effective.tls_ca_file and effective.tls_client_cert):
-        raise ConfigError("security", security, "TLS certificates for a tls:// scheduler",
-                          "Pass security=workbench.security_from_files(ca_file, cert, key); on the "
-                          "command line --tls-ca-file, --tls-cert and --tls-key")
-    if scheme == "tcp" and effective.require_encryption:
-        raise ConfigError("scheduler", address, "a tls:// address when TLS is required",
-                          "A scheduler started with certificates listens on tls://host:port")
+    check_connection(address, security, timeout_s)
     refused_s = min(REFUSED_S, timeout_s)
     if _refused_throughout(address, refused_s):
         raise ClusterError(
@@ -424,3 +408,25 @@ def _connect_existing(address: str, security: Any, timeout_s: float) -> Client:
             f"could not reach the Dask scheduler at {address} within {timeout_s:g} s ({type(error).__name__}: "
             f"{text}). {hint}."
         ) from None
+
+
+def check_connection(address: str, security: Any, timeout_s: float = 10.0) -> None:
+    """Refuse, before anything connects, an address, timeout or security that cannot reach a scheduler
+    (a command checks this before it changes anything of its process, as `workbench dashboard` does)."""
+    if not isinstance(address, str) or "://" not in address and ":" not in address:
+        raise ConfigError("scheduler", address, "an address such as 'tcp://127.0.0.1:8786' or 'tls://host:8786'")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ConfigError("timeout_s", timeout_s, "a number of seconds > 0")
+    if security is True:
+        raise ConfigError("security", True, "a distributed.Security holding the cluster's certificates",
+                          "security=True makes throwaway certificates, good only for a cluster started here; "
+                          "use workbench.security_from_files(ca_file, cert, key)")
+    scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+    effective = security if security is not None else Security()  # None: Dask's configuration decides
+    if scheme == "tls" and not (effective.tls_ca_file and effective.tls_client_cert):
+        raise ConfigError("security", security, "TLS certificates for a tls:// scheduler",
+                          "Pass security=workbench.security_from_files(ca_file, cert, key); on the "
+                          "command line --tls-ca-file, --tls-cert and --tls-key")
+    if scheme == "tcp" and effective.require_encryption:
+        raise ConfigError("scheduler", address, "a tls:// address when TLS is required",
+                          "A scheduler started with certificates listens on tls://host:port")
