@@ -187,9 +187,7 @@ class AllReduce(Strategy):
     def update_settings(self, changes: dict[str, Any]) -> None:
         super().update_settings(changes)
         if self.balance is not None:
-            self.balance.every = self.settings.rebalance_every
-            if not self.settings.balance:
-                self.balance.reset()  # equal parts from the next step, as every rank does at this one
+            self.balance.follow(self.settings)
 
     def close(self) -> None:
         for hook in self.hooks:

@@ -307,9 +307,7 @@ class Average(Strategy):
         if not self.settings.overlap and self.exchange is not None:
             self._land()
         if self.balance is not None:
-            self.balance.every = self.settings.rebalance_every
-            if not self.settings.balance:
-                self.balance.reset()
+            self.balance.follow(self.settings)
 
     # --- the two kinds of sync -----------------------------------------------------------------------
 

@@ -42,6 +42,9 @@ class BatchBalance:
         self._free_at: float | None = None
         self._steps = 0  # measured since the last rebalance: the same count on every rank
         self._measured = False  # no rebalance yet: the first takes the whole step
+        # The first step after a start (or a reset) is not measured: it pays one-off costs (allocation, the
+        # first collectives), and the first cut, taken whole from 3 steps, swung by it (seen in the tests).
+        self._warm = False
 
     def share(self) -> tuple[int, int]:
         """Where this rank's samples lie in the step's global batch; marks the step's start for the timing."""
@@ -55,7 +58,9 @@ class BatchBalance:
 
     def computed(self) -> None:
         """The step's gradients are ready: its compute time counts toward this rank's speed."""
-        if self._started is not None:
+        if self._started is not None and not self._warm:
+            self._warm, self._started = True, None
+        elif self._started is not None:
             now = time.perf_counter()
             self._compute_s += now - self._started
             self._samples += self.shares[self.rank]
@@ -95,8 +100,14 @@ class BatchBalance:
         changed, self.shares, self._measured = shares != self.shares, shares, True
         return changed
 
+    def follow(self, settings: Any) -> None:
+        """A live change of the strategy's `balance` or `rebalance_every`, at the step every rank makes it."""
+        self.every = settings.rebalance_every
+        if not settings.balance:
+            self.reset()  # equal parts from the next step
+
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
         self._samples, self._compute_s, self._fixed_s, self._steps = 0, 0.0, 0.0, 0
-        self._started, self._free_at, self._measured = None, None, False
+        self._started, self._free_at, self._measured, self._warm = None, None, False, False
