@@ -80,6 +80,29 @@ def test_allreduce_on_two_ranks_is_one_process_on_their_joint_batches():
     assert_same_weights(run.results[0]["state_dict"], reference(the_job, run))
 
 
+class _WithAnUnusedLayer(torch.nn.Module):
+    """`fixed_mlp` and a layer the forward pass never uses: autograd gives that layer no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = fixed_mlp()
+        self.unused = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(self.unused.weight, 0.5)
+        torch.nn.init.constant_(self.unused.bias, 0.5)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.body(inputs)
+
+
+@pytest.mark.parametrize("bucket_mb", [0.001, 4.0], ids=["a-bucket-of-its-own", "sharing-a-bucket"])
+def test_allreduce_counts_a_parameter_without_gradient_as_zeros(bucket_mb):
+    the_job = job(model=_WithAnUnusedLayer)
+    run = train_in_process(the_job, "allreduce", WORLD, bucket_mb=bucket_mb)
+    final = run.results[0]["state_dict"]
+    assert_same_weights(final, reference(the_job, run))
+    assert torch.equal(final["unused.weight"], torch.full((4, 4), 0.5))
+
+
 def test_averaging_every_step_without_momentum_is_the_same_sgd():
     # Local SGD steps averaged every step: mean(w - lr g_r) = w - lr mean(g_r), plain SGD on the joint batch.
     the_job = job(momentum=0.0)

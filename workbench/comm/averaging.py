@@ -168,6 +168,12 @@ def scale_for_wire(vector: torch.Tensor, dtype: torch.dtype, world_size: int, we
         vector.div_(world_size)
     else:
         vector.mul_(weight)
+    return clamp_for_wire(vector, dtype, world_size)
+
+
+def clamp_for_wire(vector: torch.Tensor, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """In place: `vector`, already scaled, clamped so that the sum of `world_size` of them fits `dtype`
+    (fp16's range; bf16 has float32's and needs nothing)."""
     if dtype == torch.float16:
         limit = torch.finfo(torch.float16).max / world_size
         vector.clamp_(-limit, limit)

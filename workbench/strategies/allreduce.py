@@ -1,8 +1,11 @@
 """`allreduce`: synchronous gradient all-reduce every step, bucketed and overlapped with backward (as DDP).
 
-Gradients live as views into one flat buffer per bucket (DDP's `gradient_as_bucket_view`), so the
-all-reduce works on them in place with no copies. Each bucket's all-reduce starts from a
-post-accumulate-grad hook as soon as its last gradient is ready, so communication of late layers
+Each bucket is one flat buffer; a parameter's gradient, as autograd hands it over, is copied into its
+view of the buffer already divided by the world size (one pass over the memory, as DDP's reducer does
+with `mul_out`), and the view becomes the parameter's gradient (DDP's `gradient_as_bucket_view`), so the
+summed result needs no copy back and no division. Gradients are set to None between steps: zeroing kept
+buffers and letting autograd add into them cost three more passes a step. Each bucket's all-reduce starts
+from a post-accumulate-grad hook as soon as its last gradient is ready, so communication of late layers
 overlaps the backward pass of early ones; `after_backward` waits for what is still in flight, and that
 wait is the communication time the step actually pays.
 
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from workbench.checks import check_positive_int, check_positive_number
-from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, scale_for_wire
+from workbench.comm.averaging import WIRE_DTYPES, all_reduce_bytes_sent, assign_buckets, clamp_for_wire
 from workbench.errors import ConfigError
 from workbench.strategies.balance import BatchBalance
 from workbench.strategies.base import Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
@@ -62,6 +65,7 @@ class _Bucket:
         for parameter in parameters:
             self.views.append(self.buffer[offset : offset + parameter.numel()].view_as(parameter))
             offset += parameter.numel()
+        self.filled = [False] * len(parameters)  # which gradients this step holds already
         self.ready = 0
         self.work: Any = None
         self.in_flight: torch.Tensor | None = None  # what the all-reduce sums: the buffer or the wire copy
@@ -73,15 +77,23 @@ class _Bucket:
             self.wire = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
         return self.wire
 
-    def attach_gradients(self) -> None:
-        """Make each parameter's gradient the bucket's view again (autograd may have replaced it)."""
-        for parameter, view in zip(self.parameters, self.views):
-            if parameter.grad is None or parameter.grad.data_ptr() != view.data_ptr():
-                if parameter.grad is not None:
-                    view.copy_(parameter.grad)
-                else:
-                    view.zero_()
-                parameter.grad = view
+    def take_gradient(self, index: int, factor: float) -> None:
+        """Parameter `index`'s fresh gradient, times `factor`, into its view; the view becomes its gradient."""
+        parameter, view = self.parameters[index], self.views[index]
+        if parameter.grad is None:
+            view.zero_()
+        elif parameter.grad.data_ptr() != view.data_ptr():
+            torch.mul(parameter.grad, factor, out=view)
+        else:  # autograd added into the view itself (gradients kept from the step before were zeroed)
+            view.mul_(factor)
+        parameter.grad = view
+        self.filled[index] = True
+
+    def fill_missing(self, factor: float) -> None:
+        """Parameters that got no gradient this step: their zeros still count in the sum."""
+        for index, filled in enumerate(self.filled):
+            if not filled:
+                self.take_gradient(index, factor)
 
 
 class AllReduce(Strategy):
@@ -89,7 +101,6 @@ class AllReduce(Strategy):
     settings_class = AllReduceSettings
     traits = Traits(summary="Synchronous: gradients averaged every step (like PyTorch DDP). Exact, chatty.",
                     uses_process_group=True, paced_by_slowest=True)
-    keeps_gradient_buffers = True
 
     def __init__(self, settings: AllReduceSettings) -> None:
         super().__init__(settings)
@@ -104,8 +115,7 @@ class AllReduce(Strategy):
         self.comm = context.comm
         self.comm.broadcast_tensors(list(context.model.state_dict().values()))
         if self.world_size == 1:
-            self.keeps_gradient_buffers = False  # nothing to exchange: plain gradients, as one process
-            return
+            return  # nothing to exchange: plain gradients, as one process
         if context.global_batches:
             self.balance = BatchBalance(context.rank, self.world_size, context.job.batch_size,
                                         self.settings.rebalance_every)
@@ -114,17 +124,22 @@ class AllReduce(Strategy):
         groups = assign_buckets([p.numel() * p.element_size() for p in parameters], cap)
         self.buckets = [_Bucket([parameters[i] for i in group]) for group in groups]
         for bucket in self.buckets:
-            bucket.attach_gradients()
-            for parameter in bucket.parameters:
-                self.hooks.append(parameter.register_post_accumulate_grad_hook(self._hook_for(bucket)))
+            for index, parameter in enumerate(bucket.parameters):
+                self.hooks.append(parameter.register_post_accumulate_grad_hook(self._hook_for(bucket, index)))
 
-    def _hook_for(self, bucket: _Bucket):
+    def _hook_for(self, bucket: _Bucket, index: int):
         def on_gradient_ready(_parameter: torch.Tensor) -> None:
+            bucket.take_gradient(index, self._factor())
             bucket.ready += 1
             if bucket.ready == len(bucket.parameters):
                 self._launch(bucket)
 
         return on_gradient_ready
+
+    def _factor(self) -> float:
+        """What this rank's gradients are multiplied by before the sum: 1 / world size, or balanced, the rank's
+        share of the step's samples (the shares summing to one)."""
+        return self.balance.weight if self._balancing() else 1.0 / self.world_size
 
     def _balancing(self) -> bool:
         return self.balance is not None and self.settings.balance
@@ -133,18 +148,12 @@ class AllReduce(Strategy):
         return self.balance.share() if self._balancing() else None
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.attach_gradients()
+        bucket.fill_missing(self._factor())
         dtype = WIRE_DTYPES[self.settings.wire_dtype]
-        # Balanced, each rank's mean gradient counts for its share of the samples: weighted before the sum.
-        weight = self.balance.weight if self._balancing() else None
         if dtype == torch.float32:
-            if weight is not None:
-                bucket.buffer.mul_(weight)
             bucket.in_flight = bucket.buffer
-        else:
-            # The gradients are overwritten by the result anyway: scale them in place, then cast.
-            bucket.in_flight = bucket.wire_buffer(dtype).copy_(
-                scale_for_wire(bucket.buffer, dtype, self.world_size, weight))
+        else:  # already scaled: what the sum of world_size of them needs to fit, then the cast
+            bucket.in_flight = bucket.wire_buffer(dtype).copy_(clamp_for_wire(bucket.buffer, dtype, self.world_size))
         bucket.work = self.comm.start_all_reduce(bucket.in_flight)
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
@@ -160,13 +169,10 @@ class AllReduce(Strategy):
         sent = 0
         for bucket in self.buckets:
             self.comm.wait(bucket.work)
-            if bucket.in_flight is bucket.buffer:
-                if not balancing:  # balanced, the weights summed to one already
-                    bucket.buffer.div_(self.world_size)
-            else:  # pre-divided (or weighted) before the cast
+            if bucket.in_flight is not bucket.buffer:  # the sum came back in the wire's dtype
                 bucket.buffer.copy_(bucket.in_flight)
             sent += bucket.in_flight.numel() * bucket.in_flight.element_size()
-            bucket.ready, bucket.work = 0, None
+            bucket.ready, bucket.work, bucket.filled = 0, None, [False] * len(bucket.parameters)
         self.bytes_sent = all_reduce_bytes_sent(sent, self.world_size)
         if balancing:
             self.balance.exchanged()

@@ -102,9 +102,6 @@ class Strategy:
     name: ClassVar[str]
     settings_class: ClassVar[type[StrategySettings]] = StrategySettings
     traits: ClassVar[Traits] = Traits()
-    # True when gradients are views into the strategy's own buffers: the loop then zeroes them in place
-    # instead of dropping them (state, not a trait: `allreduce` on one worker keeps none).
-    keeps_gradient_buffers: bool = False
     # Set when the run's group of workers is being ended after a loss: close without waiting on others.
     abandoned: bool = False
 

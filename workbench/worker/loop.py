@@ -288,7 +288,7 @@ class _Loop:
         inputs, targets = shard.data.batch(indices)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         self.apply_lr()
-        context.optimizer.zero_grad(set_to_none=not self.strategy.keeps_gradient_buffers)
+        context.optimizer.zero_grad(set_to_none=True)
         with autocast(self.task.job, device):
             loss = loss_fn(self.forward(inputs), targets)
         loss.backward()
