@@ -17,6 +17,7 @@ import ipywidgets as ipw
 import workbench
 from workbench.cli.setting_flags import FormField, form_fields, parse_optional
 from workbench.evaluation import held_out_text
+from workbench.plane import deadline
 from workbench.plane.link import limit_text
 from workbench.plane import worker_spread
 from workbench.run import recovery
@@ -281,8 +282,8 @@ class ControlPanel:
         evaluations = s.get("evaluations") or []
         if evaluations:
             self.held_out_text.value = f"<small>{html.escape(held_out_text(evaluations[-1]))}</small>"
-        link = limit_text(s.get("link"))
-        self.link_text.value = f"<small>{html.escape(link)}</small>" if link else ""
+        lines = [limit_text(s.get("link")), deadline.describe(s["deadline"]) if s.get("deadline") else ""]
+        self.link_text.value = "".join(f"<div><small>{html.escape(line)}</small></div>" for line in lines if line)
         self.recovery_text.value = "".join(f"<div><small>{html.escape(recovery.describe(entry))}</small></div>"
                                            for entry in s.get("recoveries") or [])
         self.worker_table.value = _worker_table(s["workers"])

@@ -44,7 +44,8 @@ def check_bool(parameter: str, value: Any, meaning: str = "True or False") -> No
 def check_run_options(collective_timeout_s: Any, checkpoint_every_steps: Any, checkpoint_every_s: Any,
                       min_workers: Any, auto_join: Any, queue: Any) -> None:
     """The options of `train()` / `resume()` beside the job and the strategy."""
-    check_number("collective_timeout_s", collective_timeout_s, 0, strictly=True, unit="seconds")
+    if collective_timeout_s is not None:  # None: measured (plane/deadline.py)
+        check_number("collective_timeout_s", collective_timeout_s, 0, strictly=True, unit="seconds")
     if checkpoint_every_steps is not None:
         if isinstance(checkpoint_every_steps, bool) or not isinstance(checkpoint_every_steps, int) \
                 or checkpoint_every_steps < 1:

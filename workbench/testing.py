@@ -39,6 +39,7 @@ class ThreadGroup:
 
     def __init__(self, world_size: int, timeout_s: float) -> None:
         self.world_size = world_size
+        self.timeout_s = timeout_s  # the longest a rank waits for the others (`set_timeout`, as the group's)
         self._barrier = threading.Barrier(world_size, timeout=timeout_s)
         self._slots: list[Any] = [None] * world_size
         self._met: dict[int, set[int]] = {}  # meeting point -> ranks come to it (`meet`)
@@ -46,9 +47,9 @@ class ThreadGroup:
 
     def exchange(self, rank: int, value: Any) -> list[Any]:
         self._slots[rank] = value
-        self._barrier.wait()
+        self._barrier.wait(self.timeout_s)
         gathered = list(self._slots)
-        self._barrier.wait()  # no rank overwrites its slot before every rank has read them all
+        self._barrier.wait(self.timeout_s)  # no rank overwrites its slot before every rank has read them all
         return gathered
 
     def meet(self, rank: int, point: int, give_up: Callable[[], bool]) -> bool:
@@ -171,6 +172,9 @@ class ThreadTransport:
     def barrier(self) -> None:
         self._all(None)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        self.group.timeout_s = timeout_s  # one group for every rank in process: the last to set it wins
+
     def meet(self, point: int, give_up: Callable[[], bool]) -> bool:
         return self.group.meet(self.rank, point, give_up)
 
@@ -233,7 +237,7 @@ class LocalControl:
         validated = dataclasses.asdict(make_settings(strategy, settings))
         with self._changed:
             self.state = dataclasses.replace(self.state, version=self.state.version + 1, strategy=strategy,
-                                             settings=validated, switch_id=self.state.switch_id + 1)
+                                             settings=validated, switch_id=self.state.switch_id + 1, timeout_s=None)
             self._changed.notify_all()
             return self.state
 

@@ -51,8 +51,14 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     run_dirs = list(tmp_path.iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / "model.pt").exists() and (run_dirs[0] / "summary.json").exists()
     # The summary carries the best held-out metric (the dashboard lists the run from it alone).
-    best = json.loads((run_dirs[0] / "summary.json").read_text())["best_metric"]
-    assert best[0] == "accuracy" and 0.9 <= best[1] <= 1.0
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["best_metric"][0] == "accuracy" and 0.9 <= summary["best_metric"][1] <= 1.0
+    # No --timeout: the one in force was measured from average's steps and syncs, and is said.
+    measured = summary["deadline"]
+    assert measured["how"] == "measured" and measured["strategy"] == "average"
+    assert measured["timeout_s"] == max(15.0, 10 * measured["longest_wait_s"])
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("timeout: ")]
+    assert f"{measured['timeout_s']:.3g} s, measured" in line
 
 
 def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.plane import deadline
 from workbench.run import recovery
 from workbench.run.launcher import present_workers
 from workbench.plane import checkpoint_format as checkpoints
@@ -53,12 +54,13 @@ def _slow_loss(outputs, targets):
 _loss_calls = {"count": 0}
 
 
-def _loss_stalling_on_rank_2(outputs, targets, wake):
-    # Rank 2 hangs once, at its 60th step, for longer than the others' collective timeout: until the test
-    # has seen the run finish without it (`wake` written), 3 timeouts at most.
-    _loss_calls["count"] += 1
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 2 and _loss_calls["count"] == 60:
-        deadline = time.monotonic() + 3 * TIMEOUT_S
+def _loss_stalling_on_rank_2(outputs, targets, armed, wake):
+    # Rank 2 hangs once, at its first step after the test armed it (`armed` written), for longer than the
+    # others' timeout: until the test has seen the run finish without it (`wake` written), or a minute.
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 2 and os.path.exists(armed) \
+            and not _loss_calls.get("stalled"):
+        _loss_calls["stalled"] = True
+        deadline = time.monotonic() + 60.0
         while not os.path.exists(wake) and time.monotonic() < deadline:
             time.sleep(0.05)  # a file the test writes: nothing to wait on across processes
     return _slow_loss(outputs, targets)
@@ -73,8 +75,8 @@ def _pids(client):
     return client.run(os.getpid)
 
 
-def _digits_job(loss):
-    return digits_job(batch_size=16, epochs=6, lr=0.1, momentum=0.9, loss=loss)
+def _digits_job(loss, epochs=6):
+    return digits_job(batch_size=16, epochs=epochs, lr=0.1, momentum=0.9, loss=loss)
 
 
 def _timeline(run, since):
@@ -189,23 +191,39 @@ def test_a_switch_asked_for_as_a_worker_dies_is_made_and_recorded_at_the_regroup
 
 
 @pytest.mark.timeout(240)
-def test_a_stuck_worker_is_treated_as_lost_after_the_timeout(cluster3, tmp_path):
+def test_a_stuck_worker_is_found_within_the_timeout_measured_for_a_fast_run(cluster3, tmp_path):
+    """No timeout given: measured (plane/deadline.py). Steps of a few ms lower it from the unmeasured 60 s
+    to its 15 s floor on every rank; a worker that then hangs is lost within about two of those, where
+    the fixed minute took two minutes."""
     cluster3.wait_for_workers(3, timeout=60)
-    wake = tmp_path / "wake"
-    run = workbench.train(_digits_job(functools.partial(_loss_stalling_on_rank_2, wake=str(wake))), "allreduce",
-                          client=cluster3, run_dir=tmp_path,
-                          collective_timeout_s=TIMEOUT_S,
-                          checkpoint_every_steps=20, checkpoint_every_s=None)
+    armed, wake = tmp_path / "armed", tmp_path / "wake"
+    job = _digits_job(functools.partial(_loss_stalling_on_rank_2, armed=str(armed), wake=str(wake)), epochs=20)
+    run = workbench.train(job, "allreduce", client=cluster3, run_dir=tmp_path, checkpoint_every_steps=20,
+                          checkpoint_every_s=None)
     stuck = run.worker_addresses[2]
+
+    def every_rank_applied_a_measured_timeout():
+        measured = {e["timeout_s"] for e in run.events("deadline") if e["how"] == "measured"}
+        return sorted(e["worker"] for e in run.events("deadline-applied") if e["timeout_s"] in measured) == [0, 1, 2]
+
+    wait_until(every_rank_applied_a_measured_timeout, timeout_s=60)
+    in_force = run.timeout_in_force_s
+    measured = [e for e in run.events("deadline") if e["how"] == "measured"][-1]
+    assert measured["timeout_s"] == in_force == max(deadline.FLOOR_S, 10 * measured["longest_wait_s"]) < 30
+    armed.touch()
     assert run.wait(timeout=200) == "finished"
     (lost,) = run.events("worker-lost")
-    assert lost["address"] == stuck and lost["reason"].startswith("stuck")
+    assert lost["address"] == stuck and lost["reason"] == f"stuck: no answer within {in_force:g} s"
     (regrouped,) = run.events("regrouped")
     stalled_at = max(r["time"] for r in run.table.steps().to_dict("records")
                      if r["worker"] == 2 and r["time"] < regrouped["time"])
     # The others' collective gives up after the timeout; the stuck one gets one timeout more to leave.
-    assert regrouped["time"] - stalled_at < 2 * TIMEOUT_S + 5
+    assert regrouped["time"] - stalled_at < 2 * in_force + 5
     assert stuck not in run.worker_addresses and len(run.worker_addresses) == 2
+    # The new group starts under the unmeasured timeout, and measures its own.
+    after = [e["how"] for e in run.events("deadline") if e["time"] >= regrouped["time"] - 1]
+    assert after[:1] == ["unmeasured"] and "measured" in after, after
+    assert sorted(e["worker"] for e in run.events("deadline-applied") if e["time"] > regrouped["time"]) == [0, 1]
     assert _accuracy(run) >= 0.9
     # It leaves once it wakes up, seeing its group was ended: the worker is free again.
     wake.touch()

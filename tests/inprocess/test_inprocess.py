@@ -249,3 +249,45 @@ def test_an_asynchronous_worker_far_behind_is_waited_for_at_the_end_not_timed_ou
                            timeout_s=2.0, push_every=4)
     assert [len(run.steps(rank)) for rank in range(WORLD)] == [100] * WORLD
     assert len({tuple(result["weights"]) for result in run.results}) == 1  # both ended on the server's weights
+
+
+def _stall_rank_1_at(step: int, stall_s: float, timeout_s: float | None):
+    """on_record: the run's timeout set to `timeout_s` at rank 0's step 3 (as the client sets a measured
+    one), and rank 1 held `stall_s` after its step `step` (on_record runs in the rank's own thread)."""
+    def on_record(record, control):
+        if record.get("kind") != kinds.STEP:
+            return
+        if record["worker"] == 0 and record["step"] == 3 and timeout_s is not None:
+            control.update(timeout_s=timeout_s)
+        if record["worker"] == 1 and record["step"] == step:
+            time.sleep(stall_s)
+
+    return on_record
+
+
+def test_a_timeout_set_while_the_run_trains_is_the_one_every_ranks_waits_have():
+    run = train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 0.0, 0.75))
+    applied = run.events(kinds.DEADLINE_APPLIED)
+    assert sorted(e["worker"] for e in applied) == [0, 1] and {e["timeout_s"] for e in applied} == {0.75}
+    assert all(3 <= e["step"] <= 6 for e in applied)  # at the next steps, not at the next agreement
+    # In force: rank 1 held 3 s now makes rank 0's collective give up after 0.75 s ...
+    with pytest.raises(threading.BrokenBarrierError):
+        train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 3.0, 0.75))
+    # ... where the timeout the run started with (60 s) waits for it.
+    held = train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 3.0, None))
+    assert [len(held.steps(rank)) for rank in range(WORLD)] == [30, 30]
+
+
+def test_a_parameter_server_strategy_takes_the_timeout_for_its_own_waits(monkeypatch):
+    from workbench.strategies import parameter_server
+
+    seen = []
+    original = parameter_server._ServerStrategy.follow_timeout
+
+    def noting(self, timeout_s):  # what each rank's strategy holds once it has taken the timeout
+        original(self, timeout_s)
+        seen.append((self.timeout_s, self.server.timeout_s))
+
+    monkeypatch.setattr(parameter_server._ServerStrategy, "follow_timeout", noting)
+    train_in_process(job(), "async", WORLD, on_record=_stall_rank_1_at(12, 0.0, 9.0))
+    assert seen == [(9.0, 9.0), (9.0, 9.0)]

@@ -26,7 +26,7 @@ from workbench.data import as_source, resolve_dataset, stdlib_text
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.job import DEVICES, OPTIMIZERS, PRECISIONS, Job
 from workbench.models import GPT_SIZES, gpt, mlp
-from workbench.plane import checkpoint_format as checkpoints, kinds
+from workbench.plane import checkpoint_format as checkpoints, deadline, kinds
 from workbench.run.autopilot import AUTO, START as AUTO_START
 from workbench.run import recovery
 from workbench.run.handle import resume, train
@@ -88,8 +88,9 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--auto-join", action="store_true", help="add workers that join the cluster during the run")
     run.add_argument("--queue", action="store_true",
                      help="on a shared cluster, wait for enough free workers instead of being refused")
-    run.add_argument("--timeout", type=_positive_float, default=60.0, dest="collective_timeout_s",
-                     help="seconds any wait on another worker may take before that worker counts as lost")
+    run.add_argument("--timeout", type=_positive_float, default=None, dest="collective_timeout_s",
+                     help="seconds any wait on another worker may take before that worker counts as lost "
+                          "(default: measured, 10 times the longest step or exchange, within 15 s and 30 min)")
     run.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
                      help="export live to TensorBoard event files: in the run's directory, or under DIR")
     run.add_argument("--mlflow", nargs="?", const=True, default=False, metavar="URI",
@@ -325,6 +326,8 @@ def _print_summary(run: Any, result: dict[str, Any], status: str) -> None:
         print(limit_text(summary["link"]))
     for text in summary.get("warnings", []):
         print(f"warning: {text}")
+    if summary.get("deadline"):
+        print(deadline.describe(summary["deadline"]))
     for entry in summary.get("recoveries", []):
         print(recovery.describe(entry))
     print(f"held-out loss: {result['loss']:.4f}")

@@ -30,6 +30,7 @@ class ControlState:
     checkpoint_id: int = 0  # checkpoints asked for so far (besides those every N steps)
     generation: int = 0  # the group of workers that should train; an older group's workers leave at once
     regroup: bool = False  # with stop: end this group cleanly so that the run goes on with other workers
+    timeout_s: float | None = None  # the timeout measured for the running strategy; None: the task's own
 
     def to_message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -60,10 +61,12 @@ class ControlWriter:
             return self.state
 
     def switch(self, strategy: str, settings: dict[str, Any]) -> ControlState:
-        """Ask for a live switch to `strategy` with (all of) its `settings`."""
+        """Ask for a live switch to `strategy` with (all of) its `settings`. What was measured of the old
+        strategy's waits says nothing of the new one's: the switch is made under the task's own timeout."""
         with self._lock:
             self.state = dataclasses.replace(self.state, version=self.state.version + 1, strategy=strategy,
-                                             settings=dict(settings), switch_id=self.state.switch_id + 1)
+                                             settings=dict(settings), switch_id=self.state.switch_id + 1,
+                                             timeout_s=None)
             self._variable.set(self.state.to_message())
             return self.state
 

@@ -23,6 +23,7 @@ RESUMED = "resumed"  # a rank went on after a pause
 CHANGED = "changed"  # a rank applied a learning-rate or live-setting change
 SWITCHED = "switched"  # a rank changed strategy (or the client, for a switch made at a regroup)
 CHECKPOINT_READY = "checkpoint-ready"  # rank 0 holds a checkpoint for the client to fetch
+DEADLINE_APPLIED = "deadline-applied"  # a rank set the run's timeout in force on its waits (`timeout_s`)
 
 # --- from the client, on the run's topic or in the run directory --------------------------------------
 RUN_STARTED = "run-started"
@@ -40,6 +41,7 @@ WORKER_JOINED = "worker-joined"  # a worker joined the cluster during the run
 JOIN_REFUSED = "join-refused"  # a joined worker could not be added (held, or the batch does not fit)
 REGROUPED = "regrouped"  # the run goes on with other workers (lost or joined)
 RECOVERED = "recovered"  # a regroup after lost workers is over: its timed phases (run/recovery.py)
+DEADLINE = "deadline"  # the timeout in force changed: measured, back to unmeasured, or set (plane/deadline.py)
 CHECKPOINT = "checkpoint"  # a checkpoint was written (path, step)
 CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity and was not written
 TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing

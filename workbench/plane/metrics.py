@@ -17,6 +17,7 @@ import pandas as pd
 
 from workbench.plane import kinds
 from workbench.plane.link import LinkBook
+from workbench.plane.deadline import WaitBook
 from workbench.plane import worker_spread
 
 STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
@@ -96,6 +97,7 @@ class MetricsTable:
         self._divergence_by_step: dict[int, list[float]] = {}  # step -> [divergence sum, workers]
         self._per_worker: dict[int, dict[str, Any]] = collections.defaultdict(_worker_totals)
         self._link = LinkBook()  # what the link allows the running strategy (plane/link.py)
+        self._waits = WaitBook()  # the longest waits a peer sees, for the run's timeout (plane/deadline.py)
         self.version = 0  # grows with every add, so a viewer can tell whether anything changed
 
     def add(self, records: Iterable[dict[str, Any]]) -> None:
@@ -108,9 +110,12 @@ class MetricsTable:
                     self.steps_received += 1
                     self._aggregate(record)
                     self._link.add(record)
+                    self._waits.add(record)
                 else:
                     self._other.append(record)
                     self._follow_worker(record)
+                    if record.get("kind") == kinds.EVAL:
+                        self._waits.add_evaluation(record)
 
     def _aggregate(self, record: dict[str, Any]) -> None:
         entry = self._loss_by_step.setdefault(record["step"], [0.0, 0])
@@ -248,6 +253,19 @@ class MetricsTable:
         `paced(strategy)`: whether its ranks go at the slowest one's pace."""
         with self._lock:
             return self._link.limit(paced(self._link.strategy), min_records)
+
+    def deadline_proposal(self, in_force_s: float, strategy: str,
+                          evaluates: bool = False) -> tuple[float | None, float | None]:
+        """(the timeout the measured waits of `strategy` call for instead of `in_force_s`, or None to keep
+        it; the longest wait measured, None before enough records). `evaluates`: the run evaluates on
+        held-out data (WaitBook.propose)."""
+        with self._lock:
+            return self._waits.propose(in_force_s, strategy, evaluates), self._waits.longest_wait_s()
+
+    def restart_waits(self) -> None:
+        """A new group of workers: its waits are measured afresh."""
+        with self._lock:
+            self._waits.restart(self._waits.strategy)
 
     def staleness(self) -> dict[int, dict[str, Any]]:
         """Per worker: pushes, staleness mean and max, and a histogram {staleness: pushes}."""

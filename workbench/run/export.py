@@ -82,7 +82,7 @@ class SecondTotals:
 def evaluation_values(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of a held-out evaluation record, as `eval/<name>`."""
     return {f"eval/{key}": float(value) for key, value in record.items()
-            if key not in ("kind", "worker", "step", "epoch", "samples", "time", "generation", "address")
+            if key not in ("kind", "worker", "step", "epoch", "samples", "time", "generation", "address", "eval_s")
             and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 

@@ -50,7 +50,7 @@ from workbench.worker.host import describe_device
 MAX_SAVED_JOB_BYTES = 64 * 2**20  # a job (with its data) larger than this is not saved for resume()
 
 def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None, workers: int | None = None,
-          run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float = 60.0,
+          run_dir: str | Path = "runs", name: str | None = None, collective_timeout_s: float | None = None,
           start: bool = True, owner: str | None = None, checkpoint_every_steps: int | None = None,
           checkpoint_every_s: float | None = 60.0, min_workers: int = 1, auto_join: bool = False,
           queue: bool = False, tensorboard: bool | str = False, mlflow: bool | str = False,
@@ -65,7 +65,9 @@ def train(job: Job, strategy: str = "allreduce", *, client: Client | None = None
     status 'queued' (its place in `run.queue_position`) and starts when its workers are free.
     run_dir: parent directory of the run's own directory (config, metrics, checkpoint, weights).
     collective_timeout_s: the longest any wait on another worker may take; a worker silent for longer is
-    treated as lost.
+    treated as lost. None (the default): measured, ten times the longest step or exchange of the running
+    strategy within 15 s and 30 min (60 s until measured, and again after a switch or a regroup); the
+    timeout in force is `run.timeout_in_force_s`, and each change is a 'deadline' event.
     checkpoint_every_steps / checkpoint_every_s: how often a checkpoint is written (None: never by that
     rule); a run also keeps one when it ends. `workbench.resume(run_directory)` goes on from it.
     min_workers: a run that loses workers goes on with the survivors from its last checkpoint, unless
@@ -150,7 +152,7 @@ class Run(RunViews):
     """
 
     def __init__(self, job: Job, strategy: str, *, client: Client | None, workers: int | None,
-                 run_dir: str | Path, name: str | None, collective_timeout_s: float,
+                 run_dir: str | Path, name: str | None, collective_timeout_s: float | None,
                  settings: dict[str, Any], step_delays: dict[int, float] | None = None,
                  sample_delays: dict[int, float] | None = None,
                  owner: str | None = None, checkpoint_every_steps: int | None = None,
@@ -167,7 +169,7 @@ class Run(RunViews):
         self._settings_values = dict(settings)
         self._run_root = run_dir
         self._name = name
-        self.collective_timeout_s = collective_timeout_s
+        self.collective_timeout_s = collective_timeout_s  # the user's; None: measured (`timeout_in_force_s`)
         self.step_delays = step_delays or {}  # test hooks: ranks made slow per step, or per sample
         self.sample_delays = sample_delays or {}
         self.checkpoint_every_steps = checkpoint_every_steps
@@ -294,7 +296,7 @@ class Run(RunViews):
         self.lifecycle.move("running")
         self.announce(kinds.RUN_REGISTERED, **json.loads(json.dumps(self.config, default=str)))
         threading.Thread(target=self.checkpoints.write_ready, name=f"workbench-checkpoints-{self.run_id}",
-                         args=(client, self.run_id, self.collective_timeout_s, self._rank_zero), daemon=True).start()
+                         args=(client, self.run_id, self.timeout_in_force_s, self._rank_zero), daemon=True).start()
 
     def _rank_zero(self) -> tuple[int, str | None]:
         """The group training now and its rank 0's address (None before any)."""
@@ -340,12 +342,12 @@ class Run(RunViews):
         workers' tasks at once. Returns the final status."""
         if self.supervisor.thread is None or self.done:
             return self.status
-        grace_s = self.collective_timeout_s if grace_s is None else grace_s
+        grace_s = self.timeout_in_force_s if grace_s is None else grace_s
         self.stop()
         if not self.ended.wait(grace_s):
             self.supervisor.regroup_to = None
             self.supervisor.end_group()
-            self.ended.wait(self.collective_timeout_s + 35)
+            self.ended.wait(self.timeout_in_force_s + 35)
         return self.status
 
     # --- control --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from workbench.plane import kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
 from workbench.run import recovery, regroup
+from workbench.run.timeouts import TimeoutKeeper, in_force
 from workbench.run.launcher import FutureWatch, Group, LaunchOptions, check_batch_fits, launch, present_workers
 from workbench.strategies import get_strategy, make_settings
 
@@ -49,6 +50,7 @@ class Supervisor:
         self.roster = Roster()
         self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
         self.recovering: int | None = None  # the group started after lost workers, until its phases are out
+        self.timeouts = TimeoutKeeper()  # the measured timeout: proposed, put in force, said
         self.thread: threading.Thread | None = None
         self.scheduler = SchedulerWatch(lambda: getattr(run.client, "status", "running"))
 
@@ -63,8 +65,9 @@ class Supervisor:
         run = self.run
         generation = run.generation + 1
         state = run.control.state
-        options = LaunchOptions(run.run_id, run.collective_timeout_s, run.checkpoint_every_steps, run.step_delays,
-                                run.sample_delays)
+        # A new group starts under the user's timeout or the unmeasured one; its own waits are measured anew.
+        options = LaunchOptions(run.run_id, in_force(None, run.collective_timeout_s),
+                                run.checkpoint_every_steps, run.step_delays, run.sample_delays)
         run.feed.new_generation(generation)
         group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
         self.group = group
@@ -158,6 +161,7 @@ class Supervisor:
             self._publish_recovery()
             if run.status == "running" and self.regroup_to is None and run.checkpoints.due():
                 run.control.update(checkpoint_id=run.control.state.checkpoint_id + 1)
+            self._follow_deadline()
             if run.auto_pilot is not None and self.regroup_to is None:
                 run.auto_pilot.tick(run, time.monotonic())
             if run.auto_join and self.roster.joined and self.regroup_to is None and run.status == "running":
@@ -172,7 +176,9 @@ class Supervisor:
         verdict = regroup.after_success(any(r["stopped"] for r in results), self.regroup_to, run.stop_requested)
         if verdict.action == "regroup":
             self.regroup_to = None
-            run.control.update(stop=False, regroup=False)
+            run.control.update(stop=False, regroup=False, timeout_s=None)
+            run.table.restart_waits()
+            self._follow_deadline()
             run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                               "workers": list(verdict.workers), "reason": "workers joined", "from_step": final["step"]})
             return list(verdict.workers), final
@@ -191,7 +197,7 @@ class Supervisor:
         tasks = [regroup.TaskEnd(address, future.done(), future.status == "error"
                                  and isinstance(future.exception(), KilledWorker))
                  for future, address in zip(futures, addresses)]
-        for address, reason in regroup.newly_lost(tasks, self.roster.lost, present, run.collective_timeout_s).items():
+        for address, reason in regroup.newly_lost(tasks, self.roster.lost, present, run.timeout_in_force_s).items():
             self._record_lost(address, time.time(), reason)
         unfinished = [f for f in futures if not f.done()]
         if unfinished:  # the lost workers' tasks (a nanny's restarted worker would wait for them), the stuck
@@ -221,13 +227,20 @@ class Supervisor:
                                     f"with workbench.resume({str(run.directory.path)!r}) once workers are back")
             self._end_run("failed")
             return None
-        run.control.update(stop=False, regroup=False)
+        run.control.update(stop=False, regroup=False, timeout_s=None)
+        run.table.restart_waits()
+        self._follow_deadline()  # said now: the new group's first steps may be measured by the next tick
         run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                           "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
                           "reason": "workers lost"})
         run.placement.give_back(released)  # a scheduler round trip: after the announcement, not before
         self.recovering = run.generation + 1
         return list(verdict.workers), checkpoint
+
+    def _follow_deadline(self) -> None:
+        run = self.run
+        self.timeouts.follow(run.table, run.control, run.feed.publish, run.collective_timeout_s,
+                             evaluates=run.prepared.evaluation is not None)
 
     def _publish_recovery(self) -> None:
         """Once every rank of the group started after a loss has stepped: the recovery's timed phases."""
@@ -247,13 +260,13 @@ class Supervisor:
         a new address, and the scheduler keeps the task for the old one), and waiting for them held every
         regroup back by the whole timeout.
         """
-        deadline = time.monotonic() + self.run.collective_timeout_s
+        until = time.monotonic() + self.run.timeout_in_force_s
         while True:
             self._take_membership_changes()
             waiting = [f for f, a in zip(futures, addresses) if a not in self.roster.lost and not f.done()]
-            if not waiting or time.monotonic() >= deadline:
+            if not waiting or time.monotonic() >= until:
                 return
-            FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, deadline - time.monotonic())))
+            FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, until - time.monotonic())))
 
     def end_group(self) -> None:
         """Tell every worker of the current group to leave at once (no final synchronisation)."""

@@ -13,6 +13,7 @@ from workbench.errors import ConfigError, TrainingError
 from workbench.evaluation import evaluate
 from workbench.job import loss_function
 from workbench.plane import kinds
+from workbench.run.timeouts import in_force
 from workbench.strategies import STRATEGIES
 from workbench.plane.metrics import best_metric, communication_summary, control_markers, staleness_summary, time_split
 
@@ -26,8 +27,9 @@ def live_view(table: Any, **options: Any) -> dict[str, Any]:
     rate = table.throughput(5.0)
     for row in view["workers"]:
         row["samples_per_s"] = rate["per_worker"].get(row["worker"], 0.0)
+    deadlines = table.events(kinds.DEADLINE)
     return {**view, "samples_per_s": rate["samples_per_s"], "markers": control_markers(table.events()),
-            "link": table.link_limit(paced_by_slowest)}
+            "link": table.link_limit(paced_by_slowest), "deadline": deadlines[-1] if deadlines else None}
 
 
 def paced_by_slowest(strategy: str | None) -> bool:
@@ -86,6 +88,9 @@ def summary(run: Any) -> dict[str, Any]:
     warnings = run.warnings()
     if warnings:
         result["warnings"] = warnings
+    deadlines = run.table.events(kinds.DEADLINE)
+    if deadlines:  # the timeout in force at the end, and where it came from (plane/deadline.py)
+        result["deadline"] = {k: deadlines[-1].get(k) for k in ("timeout_s", "how", "longest_wait_s", "strategy")}
     recovered = run.table.events(kinds.RECOVERED)
     if recovered:  # each regroup after lost workers: its phases (run/recovery.py)
         result["recoveries"] = [{k: e[k] for k in ("lost", "generation", "from_step", "phases_s", "total_s")}
@@ -103,6 +108,12 @@ def summary(run: Any) -> dict[str, Any]:
 
 class RunViews:
     """The read-only side of `Run`: what a user or a view asks a run to show."""
+
+    @property
+    def timeout_in_force_s(self) -> float:
+        """The longest a wait on another worker may take now: the user's `collective_timeout_s`, or the one
+        measured for the running strategy (plane/deadline.py; held in the run's control state)."""
+        return in_force(self.control.state.timeout_s if self.control is not None else None, self.collective_timeout_s)
 
     table: Any
     control: Any

@@ -196,6 +196,10 @@ class Strategy:
     def close(self) -> None:
         """Release hooks and buffers; called on every exit path."""
 
+    def follow_timeout(self, timeout_s: float) -> None:
+        """The run's timeout in force changed (plane/deadline.py): a strategy that keeps its own copy for
+        its waits takes the new one. Collectives take it from the process group."""
+
     def control_alignment(self) -> int:
         """Control agreements among workers (pause, stop, lr) happen at multiples of this many steps."""
         return 1

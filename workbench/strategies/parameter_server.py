@@ -295,6 +295,11 @@ class _ServerStrategy(Strategy):
         self.server.finish(self.rank, self.world_size)
         self._load(self.server.weights())  # every worker ends with the server's (center's) weights
 
+    def follow_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s  # the waits on the server's replies and on the slowest worker
+        if self.server is not None:
+            self.server.timeout_s = timeout_s
+
     def close(self) -> None:
         # A worker that failed still tells the server it is done, so the others are not held back by
         # the SSP bound or the end-of-run barrier until their timeout.

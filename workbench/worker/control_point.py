@@ -76,6 +76,7 @@ class ControlPoint:
         self.settled_s = 0.0  # waited at this control point for the strategy's exchange in flight (`settle`)
         self.joined_group = False
         self.group_broken = False
+        self.timeout_s = task.collective_timeout_s  # the timeout this rank's waits have now
         self.agreements = Agreements()
         self.agreement = self.agreements.for_strategy(loop.strategy)  # again after each switch (`switched`)
 
@@ -120,6 +121,7 @@ class ControlPoint:
         step = self.loop.step
         if self.superseded():
             raise Superseded
+        self._follow_timeout()
         if self.pending is not None and step >= self.switch_at:
             return SwitchNow(self.pending)
         if self.pending is None and step >= self.next_agreement and step < self.task.total_steps:
@@ -214,6 +216,21 @@ class ControlPoint:
         if changes:
             loop.sender.event(kinds.CHANGED, step=loop.step, strategy=strategy.name, **changes)
         return interval
+
+    def _follow_timeout(self) -> None:
+        """The run's timeout in force (measured by the client, plane/deadline.py), on this rank's waits: its
+        process group's collectives and the strategy's own. Each rank on its own: a timeout needs no
+        agreement, only to be in force before the next wait."""
+        latest = self.poller.latest().timeout_s
+        wanted = latest if latest is not None else self.task.collective_timeout_s
+        if wanted == self.timeout_s:
+            return
+        loop = self.loop
+        self.timeout_s = wanted
+        loop.comm.set_timeout(wanted)
+        loop.context.timeout_s = wanted
+        loop.strategy.follow_timeout(wanted)
+        loop.sender.event(kinds.DEADLINE_APPLIED, step=loop.step, timeout_s=wanted)
 
     def _agree(self, local: ControlState) -> tuple[ControlState, int]:
         """The control state and agreement interval every rank takes (the policy's: rank 0's, or its own)."""

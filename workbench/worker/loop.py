@@ -348,5 +348,8 @@ class _Loop:
 
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
                   epoch: int, final: bool = False) -> None:
+        started = time.perf_counter()
         result = evaluate(model, evaluation, loss_fn, device)
-        self.sender.event(kinds.EVAL, step=self.step, epoch=epoch, final=final, **result)
+        # How long the other ranks wait for rank 0 at their next collective (plane/deadline.py).
+        eval_s = time.perf_counter() - started
+        self.sender.event(kinds.EVAL, step=self.step, epoch=epoch, final=final, eval_s=eval_s, **result)

@@ -11,6 +11,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import HoverTool
 
+from workbench.plane import deadline
 from workbench.plane.link import limit_text
 from workbench.plane import worker_spread
 
@@ -56,7 +57,8 @@ class RunOverview:
         # session renders again: that was a third of a session's redraw (measured with py-spy, 10 sessions).
         self.worker_table = HtmlBlock("worker-table")
         self.slowest = HtmlBlock("slowest-workers")
-        self.link = HtmlBlock("link-limit")  # what the link alone would allow, and the share the run reaches
+        # What the link alone would allow, the share the run reaches, and the timeout in force.
+        self.link = HtmlBlock("link-limit")
         plots = [pn.pane.Bokeh(p, sizing_mode="stretch_width") for p in (throughput, loss_step, over_time, histogram)]
         self.layout = pn.Column(
             self.link.layout,
@@ -104,7 +106,14 @@ def _worker_table_html(view: dict[str, Any]) -> str:
 
 WORKER_TABLE = SharedRender(_worker_table_html)
 SLOWEST = SharedRender(lambda view: escape(worker_spread.slowest_line(view["workers"])))
-LINK = SharedRender(lambda view: f"<small>{escape(limit_text(view.get('link')))}</small>" if view.get("link") else "")
+def _link_html(view: dict[str, Any]) -> str:
+    """What the link alone would allow (and the share the run reaches), and the timeout in force."""
+    lines = [limit_text(view["link"]) if view.get("link") else "",
+             deadline.describe(view["deadline"]) if view.get("deadline") else ""]
+    return "".join(f"<div><small>{escape(line)}</small></div>" for line in lines if line)
+
+
+LINK = SharedRender(_link_html)
 
 
 def worker_frame(workers: list[dict[str, Any]], staleness: dict[int, dict[str, Any]]) -> pd.DataFrame:
