@@ -15,6 +15,7 @@ says why not otherwise.
         client = lab.connect()           # a workbench client inside host 0
         lab.set_rate("100mbit")          # every host's link; lab.set_rate(None) lifts it
         lab.set_cpu(2, 0.5)              # host 2 gets half a core
+        lab.set_link(2, up=False)        # host 2's cable pulled; up=True plugs it back in
 """
 from __future__ import annotations
 
@@ -181,6 +182,13 @@ class Lab:
                 else:
                     _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
                           "rate", rate, "burst", str(burst), "latency", "50ms"])
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Cut host `host` off the switch (`up=False`: its port on the bridge goes down, as a pulled cable;
+        the host keeps its address and routes) or plug it back in (`up=True`). Connections are not reset:
+        they stall until the link is back or their own timeouts end them."""
+        self._indices(host)
+        _ip("-n", self.switch, "link", "set", f"{self.prefix}b{host}", "up" if up else "down")
 
     def set_cpu(self, host: int, share: float | None, period_ms: float = CPU_PERIOD_US / 1000) -> None:
         """Give every process of host `host` at most `share` of one core (None: no limit), at once.
