@@ -118,8 +118,9 @@ def headline(undisturbed: dict[str, Any], runs: list[dict[str, Any]], faults: li
 class Injector:
     """Injects faults into whatever run is `current`, one at a time, until `stop` is set."""
 
-    def __init__(self, lab: Any, client: Any, seed: int, mean_gap_s: float) -> None:
+    def __init__(self, lab: Any, client: Any, seed: int, mean_gap_s: float, kinds: tuple[str, ...] = FAULTS) -> None:
         self.lab, self.client, self.rng, self.mean_gap_s = lab, client, random.Random(seed), mean_gap_s
+        self.kinds = kinds
         self.current: Any = None
         self.faults: list[dict[str, Any]] = []
         self.stop = threading.Event()
@@ -130,7 +131,7 @@ class Injector:
             run = self.current
             if run is None or run.status != "running":
                 continue
-            kinds = [k for k in FAULTS if k != "join" or self._idle_workers(run)]
+            kinds = [k for k in self.kinds if k != "join" or self._idle_workers(run)] or ["kill"]
             kind = self.rng.choice(kinds)
             host = self.rng.choice(WORKER_HOSTS)
             fault = {"kind": kind, "host": host, "run": run.run_id, "start": time.time()}
@@ -160,19 +161,26 @@ class Injector:
         held = rng.uniform(5, 25) if kind == "cut" else rng.uniform(20, 60)
         if kind == "cut":
             lab.set_link(host, up=False)
-            self.stop.wait(held)
+            held = self._hold(run, held)
             lab.set_link(host, up=True)
             return {"held_s": held}
         if kind == "rate":
             rate = rng.choice(["100mbit", "20mbit"])
             lab.set_rate(rate, host)
-            self.stop.wait(held)
+            held = self._hold(run, held)
             lab.set_rate(None, host)
             return {"rate": rate, "held_s": held}
         lab.set_cpu(host, 0.5)
-        self.stop.wait(held)
+        held = self._hold(run, held)
         lab.set_cpu(host, None)
         return {"cpu": 0.5, "held_s": held}
+
+    def _hold(self, run: Any, seconds: float) -> float:
+        """Keep a condition for `seconds`, or until the run ends or the chaos stops; returns how long."""
+        began = time.monotonic()
+        while time.monotonic() - began < seconds and not run.done and not self.stop.wait(0.2):
+            pass
+        return time.monotonic() - began
 
 
 # --- runs ----------------------------------------------------------------------------------------------------
@@ -236,6 +244,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the faults' random seed (recorded)")
     parser.add_argument("--steps", type=int, default=1024, help="steps per worker of every run")
     parser.add_argument("--mean-gap-s", type=float, default=40.0, help="mean seconds between two faults")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="the kinds of fault drawn from, comma-separated")
     parser.add_argument("--run-timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", default=None)
     arguments = parser.parse_args()
@@ -253,7 +262,7 @@ def main() -> None:
         **commit(), "machine": machine(),
         "settings": {"job": "fidelity's (gpt-mini on stdlib-text)", "steps": arguments.steps, "strategy": "auto",
                      "checkpoint_every_steps": CHECKPOINT_EVERY, "auto_join": True, "minutes": arguments.minutes,
-                     "seed": arguments.seed, "mean_gap_s": arguments.mean_gap_s, "faults": FAULTS,
+                     "seed": arguments.seed, "mean_gap_s": arguments.mean_gap_s, "faults": arguments.faults,
                      "worker_hosts": len(WORKER_HOSTS)},
     }
     scratch = Path(tempfile.mkdtemp(prefix="workbench-chaos-"))
@@ -264,12 +273,17 @@ def main() -> None:
         undisturbed = train_one(client, scratch, arguments.steps, 0, None, arguments.run_timeout_s)
         print(f"[{(time.time() - began) / 60:5.1f} min] undisturbed: {undisturbed['status']}, held-out loss "
               f"{undisturbed['final_loss']}, {undisturbed['seconds']:.0f} s", flush=True)
-        injector = Injector(lab, client, arguments.seed, arguments.mean_gap_s)
+        kinds = tuple(arguments.faults.split(","))
+        unknown = sorted(set(kinds) - set(FAULTS))
+        if unknown:
+            sys.exit(f"--faults: {', '.join(unknown)} not known; the kinds are {', '.join(FAULTS)}")
+        injector = Injector(lab, client, arguments.seed, arguments.mean_gap_s, kinds)
         injector.thread.start()
         chaos_began, runs = time.time(), []
         while time.time() - chaos_began < arguments.minutes * 60:
             lab.restore_workers(client, list(WORKER_HOSTS))
-            runs.append(train_one(client, scratch, arguments.steps, len(runs) + 1, injector, arguments.run_timeout_s))
+            # Every run the undisturbed one's seed: the same start and data order, what differs is the faults.
+            runs.append(train_one(client, scratch, arguments.steps, 0, injector, arguments.run_timeout_s))
             last = runs[-1]
             print(f"[{(time.time() - began) / 60:5.1f} min] run {len(runs)}: {last['status']}, held-out loss "
                   f"{last['final_loss']}, {len(last['regroups'])} regroups, records lost {last['records_lost']}",

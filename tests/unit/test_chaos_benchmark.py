@@ -1,0 +1,54 @@
+"""The chaos benchmark's arithmetic (benchmarks/chaos.py): pauses around a fault, steps a regroup threw
+away, records missing inside a group, and the headline keys from raw runs and faults."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import chaos  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def steps(*pairs, worker=0):
+    return [{"time": t, "step": s, "worker": worker} for t, s in pairs]
+
+
+def test_the_pause_around_a_fault_is_the_longest_gap_overlapping_it():
+    times = [0.0, 0.1, 0.2, 0.3, 3.3, 3.4, 3.5]
+    assert chaos.median_pause(times) == pytest.approx(0.1)
+    assert chaos.pause_over(times, 0.25, 0.35) == pytest.approx(3.0)  # the fault at 0.25 s: 3 s without a step
+    assert chaos.pause_over(times, 3.45, 5.0) == pytest.approx(0.1)  # after the recovery: none
+
+
+def test_a_regroup_rewinds_to_its_checkpoint():
+    records = steps((1, 70), (2, 71), (3, 72), (9, 64), (10, 65))
+    regroups = [{"time": 5.0, "from_step": 64}]
+    assert chaos.rewound_steps(regroups, records, 0.0, 6.0) == 9  # steps 64 to 72 made twice
+    assert chaos.rewound_steps(regroups, records, 6.0, 20.0) == 0  # not this fault's
+
+
+def test_records_missing_are_counted_inside_each_workers_run_of_steps_within_a_group():
+    first = steps((1, 0), (2, 1), (3, 3)) + steps((1, 0), (2, 1), (3, 2), worker=1)  # step 2 of worker 0 lost
+    # The next group starts at step 64 from a checkpoint, a worker renumbered: no loss across groups.
+    second = steps((11, 64), (12, 65)) + steps((11, 64), (12, 65), worker=1)
+    assert chaos.records_missing(first + second, [0.0, 10.0]) == 1
+    assert chaos.records_missing(first[:2] + second, [0.0, 10.0]) == 0
+
+
+def test_the_headline_keys_come_from_the_runs_and_faults():
+    undisturbed = {"final_loss": 2.0}
+    runs = [{"status": "finished", "final_loss": 2.2, "records_lost": 0},
+            {"status": "finished", "final_loss": 2.0, "records_lost": 1},
+            {"status": "failed", "final_loss": None, "records_lost": 0}]
+    faults = [{"kind": "kill", "lost_s": 1.0}, {"kind": "kill", "lost_s": 3.0}, {"kind": "cut", "lost_s": 20.0},
+              {"kind": "rate", "lost_s": None}]
+    keys = chaos.headline(undisturbed, runs, faults)
+    assert keys["faults_injected"] == 4 and keys["runs_started"] == 3 and keys["runs_finished"] == 2
+    assert keys["records_lost"] == 1
+    assert keys["median_s_lost_per_fault"] == 3.0 and keys["worst_s_lost_per_fault"] == 20.0
+    assert keys["lost_s_by_kind"] == {"kill": 2.0, "cut": 20.0}
+    assert keys["held_out_loss_vs_undisturbed"] == pytest.approx(1.05)
