@@ -71,12 +71,14 @@ def pause_over(times: list[float], start: float, end: float) -> float:
 
 
 def rewound_steps(regroups: list[dict[str, Any]], steps: list[dict[str, Any]], start: float, end: float) -> int:
-    """Steps a regroup within [start, end] threw away: the furthest step made before it, less the
-    checkpoint step it went on from."""
+    """Steps a regroup within [start, end] threw away: the furthest step its group made (since the
+    regroup before it), less the checkpoint step it went on from."""
     lost = 0
+    times = sorted(event["time"] for event in regroups)
     for event in regroups:
         if start <= event["time"] <= end and event.get("from_step") is not None:
-            before = [r["step"] for r in steps if r["time"] < event["time"]]
+            since = max((t for t in times if t < event["time"]), default=float("-inf"))
+            before = [r["step"] for r in steps if since < r["time"] < event["time"]]
             if before:
                 lost += max(0, max(before) + 1 - event["from_step"])
     return lost
@@ -218,6 +220,7 @@ def train_one(client: Any, scratch: Path, steps: int, seed: int, injector: Injec
             "step_records": len(kept), "regroups": run.events("regrouped"),
             "recoveries": [{k: e.get(k) for k in ("lost", "phases_s", "total_s")} for e in run.events("recovered")],
             "auto": [{k: e.get(k) for k in ("step", "to", "settings", "reason")} for e in run.events("auto-decision")],
+            "checkpoints": [{k: e.get(k) for k in ("time", "step")} for e in run.events("checkpoint")],
             "deadlines": [{k: e.get(k) for k in ("time", "timeout_s", "how")} for e in run.events("deadline")],
             "_steps": sorted(seen, key=lambda r: r["time"])}
 

@@ -29,6 +29,9 @@ def test_a_regroup_rewinds_to_its_checkpoint():
     regroups = [{"time": 5.0, "from_step": 64}]
     assert chaos.rewound_steps(regroups, records, 0.0, 6.0) == 9  # steps 64 to 72 made twice
     assert chaos.rewound_steps(regroups, records, 6.0, 20.0) == 0  # not this fault's
+    # A second regroup counts only what its own group made: steps 64 and 65, from its checkpoint at 64.
+    regroups.append({"time": 11.0, "from_step": 64})
+    assert chaos.rewound_steps(regroups, records, 10.5, 20.0) == 2
 
 
 def test_records_missing_are_counted_inside_each_workers_run_of_steps_within_a_group():

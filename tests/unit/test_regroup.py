@@ -33,6 +33,24 @@ def test_after_a_failure_the_run_fails_stops_or_goes_on_with_the_survivors_in_ra
     assert regroup.after_failure(addresses, {B}, {A, C}, True, 1).action == "stop"
 
 
+GLOO_TIMEOUT = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "15000ms for recv operation to complete")
+
+
+def test_a_group_whose_every_failure_is_a_timeout_stalled_and_goes_on_with_every_worker_present():
+    server = "TrainingError: the parameter server did not answer within 15 s"
+    assert regroup.stalled([GLOO_TIMEOUT, GLOO_TIMEOUT]) and regroup.stalled([GLOO_TIMEOUT, server])
+    assert not regroup.stalled([GLOO_TIMEOUT, "ValueError: bad labels in the batch"])  # the user's code failed
+    assert not regroup.stalled([])
+    addresses = [A, B, C]
+    assert regroup.after_failure(addresses, set(), {A, B, C}, False, 1, stalled=True) == \
+        regroup.Verdict("regroup", (A, B, C))
+    assert regroup.after_failure(addresses, set(), {A, C}, False, 1, stalled=True).workers == (A, C)
+    # Too few left, or the user stopping: the run ends as before.
+    assert regroup.after_failure(addresses, set(), {A}, False, 2, stalled=True).action == "fail"
+    assert regroup.after_failure(addresses, set(), {A, B, C}, True, 1, stalled=True).action == "fail"
+
+
 def test_after_success_a_join_regroups_unless_the_user_stopped():
     assert regroup.after_success(False, None, False) == regroup.Verdict("finish")
     assert regroup.after_success(True, None, False) == regroup.Verdict("stop")

@@ -42,12 +42,28 @@ def newly_lost(tasks: list[TaskEnd], known_lost: set[str], present: set[str], ti
     return found
 
 
+# What a rank says when it gave up waiting on the others (gloo's collectives, the parameter server's calls
+# and its bounded-staleness wait): the group stalled, no worker's own code failed.
+STALL_WORDS = ("timed out waiting", "did not answer within", "no progress within", "s for the slowest worker to reach")
+
+
+def stalled(errors: list[str]) -> bool:
+    """Whether every failed rank failed only by giving up waiting on another: a link cut for longer than
+    the timeout, or a peer paused that long (each side then times out on the other), rather than an error
+    of the user's code or the workbench's."""
+    return bool(errors) and all(any(words in error.lower() for words in STALL_WORDS) for error in errors)
+
+
 def after_failure(addresses: list[str], lost: set[str], present: set[str], stop_requested: bool,
-                  min_workers: int) -> Verdict:
-    """A worker failed or was lost. Nobody lost: the run fails with the workers' errors. Otherwise it
-    goes on with the survivors, unless it was being stopped (it stops, keeping its last checkpoint) or
-    fewer than `min_workers` are left."""
+                  min_workers: int, stalled: bool = False) -> Verdict:
+    """A worker failed or was lost. Nobody lost: the run fails with the workers' errors, unless the group
+    only `stalled` (every failure a timeout waiting on the others, see `stalled`): it then goes on with
+    every worker still present, from the last checkpoint. Otherwise it goes on with the survivors, unless
+    it was being stopped (it stops, keeping its last checkpoint) or fewer than `min_workers` are left."""
     if not lost:
+        survivors = tuple(a for a in addresses if a in present)
+        if stalled and not stop_requested and len(survivors) >= min_workers:
+            return Verdict("regroup", survivors)
         return Verdict("fail")
     ordered = tuple(sorted(lost))
     survivors = tuple(a for a in addresses if a not in lost and a in present)

@@ -51,6 +51,7 @@ class Supervisor:
         self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
         self.recovering: int | None = None  # the group started after lost workers, until its phases are out
         self.timeouts = TimeoutKeeper()  # the measured timeout: proposed, put in force, said
+        self.stalled_from: int | None = None  # the checkpoint step the last stalled group went on from
         self.thread: threading.Thread | None = None
         self.scheduler = SchedulerWatch(lambda: getattr(run.client, "status", "running"))
 
@@ -203,7 +204,13 @@ class Supervisor:
         if unfinished:  # the lost workers' tasks (a nanny's restarted worker would wait for them), the stuck
             run.client.cancel(unfinished, force=True)
         lost = self.roster.lost & set(addresses)
-        verdict = regroup.after_failure(addresses, lost, present, run.stop_requested, run.min_workers)
+        checkpoint = run.checkpoints.latest
+        from_step = checkpoint["step"] if checkpoint else 0
+        # A stalled group goes on again only if it got further than the last stall went on from: a link
+        # that stays cut, or a peer that hangs every time, ends the run instead of regrouping for ever.
+        errors = [str(f.exception()) for f in futures if f.status == "error"]
+        stalled = regroup.stalled(errors) and (self.stalled_from is None or from_step > self.stalled_from)
+        verdict = regroup.after_failure(addresses, lost, present, run.stop_requested, run.min_workers, stalled)
         if verdict.action == "fail":
             self._fail(futures, addresses)
             return None
@@ -212,8 +219,6 @@ class Supervisor:
         # on (add workers again).
         released = sorted(lost | set(self.regroup_to or []) - set(addresses))
         self.regroup_to = None
-        checkpoint = run.checkpoints.latest
-        from_step = checkpoint["step"] if checkpoint else 0
         info = run.checkpoints.info
         where = f"the last checkpoint (step {from_step}) is kept at {info['path']}" if info else \
             "no checkpoint was written yet"
@@ -230,11 +235,16 @@ class Supervisor:
         run.control.update(stop=False, regroup=False, timeout_s=None)
         run.table.restart_waits()
         self._follow_deadline()  # said now: the new group's first steps may be measured by the next tick
+        reason = "workers lost" if verdict.lost else \
+            "the group stalled: every worker timed out waiting on another (a link cut, a peer paused)"
         run.feed.publish({"kind": kinds.REGROUPED, "time": time.time(), "generation": run.generation + 1,
                           "workers": list(verdict.workers), "lost": list(verdict.lost), "from_step": from_step,
-                          "reason": "workers lost"})
+                          "reason": reason})
         run.placement.give_back(released)  # a scheduler round trip: after the announcement, not before
-        self.recovering = run.generation + 1
+        if verdict.lost:  # a recovery's phases start at a lost worker's last step (run/recovery.py)
+            self.recovering = run.generation + 1
+        else:
+            self.stalled_from = from_step
         return list(verdict.workers), checkpoint
 
     def _follow_deadline(self) -> None:
