@@ -24,6 +24,13 @@ the finished chaos runs of their final held-out loss over the undisturbed run's.
 (the `recovered` events, run/recovery.py) are kept in the file too.
 
     sudo python benchmarks/chaos.py [--minutes 20] [--seed 0] [--steps 1024] [--mean-gap-s 40]
+
+`--recovery` (issue 46, item 1: a lost worker costs at most 2 s from the fault to the first step after,
+under every strategy): the same job, one run per strategy with its defaults, on the embedded cluster (two
+local workers) and on the lab with its links at 100 Mbit/s; once the run has a checkpoint, the worker of
+its last rank is killed, and the run's `recovered` event says the recovery's phases. Computed:
+`recovery_worst_s` (the longest over every strategy and both places) and `recovery_target_met` (<= 2 s);
+written to `chaos-recovery.json`.
 """
 from __future__ import annotations
 
@@ -61,11 +68,12 @@ def median_pause(times: list[float]) -> float:
 
 
 def pause_over(times: list[float], start: float, end: float) -> float:
-    """The longest interval between consecutive step records (every worker, merged, sorted) that overlaps
-    [start, end]: how long the run made no step at all around a fault."""
+    """The longest interval between consecutive step records (every worker, merged, sorted) that ends
+    within (start, end]: how long the run made no step at all after a fault, before the next one (a pause
+    that ends after `end` is the next fault's)."""
     longest = 0.0
     for a, b in zip(times, times[1:]):
-        if b >= start and a <= end:
+        if start < b <= end:
             longest = max(longest, b - a)
     return longest
 
@@ -225,6 +233,11 @@ def train_one(client: Any, scratch: Path, steps: int, seed: int, injector: Injec
             "_steps": sorted(seen, key=lambda r: r["time"])}
 
 
+def raw_steps(records: list[dict[str, Any]]) -> list[list[float]]:
+    """[time, worker, step] of every step record: what the time lost is computed from, kept in the file."""
+    return [[round(r["time"], 4), r["worker"], r["step"]] for r in records]
+
+
 def time_lost(faults: list[dict[str, Any]], runs: list[dict[str, Any]]) -> None:
     """Each fault's `lost_s`, from the run it hit (in place)."""
     by_id = {r["run_id"]: r for r in runs}
@@ -241,6 +254,70 @@ def time_lost(faults: list[dict[str, Any]], runs: list[dict[str, Any]]) -> None:
         fault.update(pause_s=pause, rewound_steps=rewound, lost_s=pause + rewound * per_worker_step)
 
 
+RECOVERY_STRATEGIES = ("allreduce", "average", "async", "ssp", "easgd")
+RECOVERY_TARGET_S = 2.0
+
+
+def recovery_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    totals = [c["total_s"] for c in cells if c.get("total_s") is not None]
+    complete = bool(cells) and len(totals) == len(cells)
+    return {"recovery_worst_s": max(totals) if totals else None,
+            "recovery_median_s": statistics.median(totals) if totals else None,
+            "recovery_target_met": complete and max(totals) <= RECOVERY_TARGET_S}
+
+
+def recover_once(client: Any, scratch: Path, strategy: str, steps: int) -> dict[str, Any]:
+    """One run of `strategy`, its last rank's worker killed once the run has a checkpoint."""
+    import workbench
+    from fidelity import MODEL, job_fields, text_data
+
+    job = workbench.Job(model=workbench.gpt(MODEL), data=text_data(), **job_fields(steps, 0))
+    run = workbench.train(job, strategy, client=client, run_dir=scratch / "runs", checkpoint_every_s=None,
+                          checkpoint_every_steps=CHECKPOINT_EVERY // 2)
+    deadline = time.monotonic() + 600
+    while run.checkpoint_info is None and not run.done and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim = run.worker_addresses[-1]
+    killed = time.time()
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    try:
+        status = run.wait(timeout=900)
+    except Exception as error:  # noqa: BLE001 - recorded
+        status = f"{type(error).__name__}: {str(error)[:300]}"
+    recovered = run.events("recovered")
+    cell = {"strategy": strategy, "status": status, "killed": killed, "victim": victim}
+    if recovered:
+        cell.update(total_s=recovered[0]["total_s"], phases_s=recovered[0]["phases_s"])
+    return cell
+
+
+def recovery(arguments: argparse.Namespace, out: Path, document: dict[str, Any]) -> None:
+    import workbench
+    from testbed import lab as labs
+
+    scratch = Path(tempfile.mkdtemp(prefix="workbench-recovery-"))
+    cells: list[dict[str, Any]] = []
+
+    def measure(place: str, client: Any, restore: Any) -> None:
+        for strategy in RECOVERY_STRATEGIES:
+            restore()
+            cell = {"place": place, **recover_once(client, scratch, strategy, arguments.recovery_steps)}
+            cells.append(cell)
+            print(f"{place:>12} {strategy:<10} {cell['status']}: recovered in {cell.get('total_s')} s "
+                  f"{cell.get('phases_s')}", flush=True)
+            document.update(recovery_headline(cells), cells=cells)
+            out.write_text(json.dumps(document, indent=1, default=str) + "\n")
+
+    with workbench.client_session(workers=2, dashboard_address=":0") as client:
+        measure("embedded", client, lambda: client.wait_for_workers(2, timeout=120))
+    with labs.Lab(hosts=1 + len(WORKER_HOSTS)) as lab:
+        lab.start_cluster()
+        client = lab.connect(workers=len(WORKER_HOSTS))
+        lab.set_rate("100mbit")
+        measure("lab-100mbit", client, lambda: lab.restore_workers(client, list(WORKER_HOSTS)))
+    print(json.dumps(recovery_headline(cells)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0, help="how long faults are injected (runs go on to their end)")
@@ -249,6 +326,8 @@ def main() -> None:
     parser.add_argument("--mean-gap-s", type=float, default=40.0, help="mean seconds between two faults")
     parser.add_argument("--faults", default=",".join(FAULTS), help="the kinds of fault drawn from, comma-separated")
     parser.add_argument("--run-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--recovery", action="store_true", help="a lost worker's recovery under every strategy")
+    parser.add_argument("--recovery-steps", type=int, default=192, help="steps per worker of each --recovery run")
     parser.add_argument("--out", default=None)
     arguments = parser.parse_args()
     from gpt_gpu import commit
@@ -258,7 +337,8 @@ def main() -> None:
     reason = labs.available()
     if reason:
         sys.exit(f"benchmarks/chaos.py needs the emulated-host lab: {reason}")
-    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / "chaos.json")
+    name = "chaos-recovery.json" if arguments.recovery else "chaos.json"
+    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "chaos", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -268,6 +348,14 @@ def main() -> None:
                      "seed": arguments.seed, "mean_gap_s": arguments.mean_gap_s, "faults": arguments.faults,
                      "worker_hosts": len(WORKER_HOSTS)},
     }
+    if arguments.recovery:
+        document["settings"] = {"job": "fidelity's (gpt-mini on stdlib-text)", "steps": arguments.recovery_steps,
+                                "strategies": RECOVERY_STRATEGIES, "checkpoint_every_steps": CHECKPOINT_EVERY // 2,
+                                "killed": "the last rank's worker, once the run has a checkpoint",
+                                "places": ["embedded: 2 local workers", "lab: 2 worker hosts, links at 100 Mbit/s"],
+                                "target_s": RECOVERY_TARGET_S}
+        recovery(arguments, out, document)
+        return
     scratch = Path(tempfile.mkdtemp(prefix="workbench-chaos-"))
     began = time.time()
     with labs.Lab(hosts=1 + len(WORKER_HOSTS)) as lab:
@@ -300,7 +388,8 @@ def main() -> None:
     time_lost(injector.faults, runs)
     document.update(headline(undisturbed, runs, injector.faults), minutes_total=(time.time() - began) / 60,
                     undisturbed={k: v for k, v in undisturbed.items() if k != "_steps"},
-                    runs=[{k: v for k, v in r.items() if k != "_steps"} for r in runs], faults=injector.faults)
+                    runs=[{**{k: v for k, v in r.items() if k != "_steps"}, "steps": raw_steps(r["_steps"])}
+                          for r in runs], faults=injector.faults)
     out.write_text(json.dumps(document, indent=1, default=str) + "\n")
     print(json.dumps({k: v for k, v in document.items()
                       if k not in ("runs", "faults", "machine", "settings", "undisturbed")}, default=str))

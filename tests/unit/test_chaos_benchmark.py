@@ -20,8 +20,10 @@ def steps(*pairs, worker=0):
 def test_the_pause_around_a_fault_is_the_longest_gap_overlapping_it():
     times = [0.0, 0.1, 0.2, 0.3, 3.3, 3.4, 3.5]
     assert chaos.median_pause(times) == pytest.approx(0.1)
-    assert chaos.pause_over(times, 0.25, 0.35) == pytest.approx(3.0)  # the fault at 0.25 s: 3 s without a step
-    assert chaos.pause_over(times, 3.45, 5.0) == pytest.approx(0.1)  # after the recovery: none
+    assert chaos.pause_over(times, 0.25, 3.4) == pytest.approx(3.0)  # the fault at 0.25 s: 3 s without a step
+    assert chaos.pause_over(times, 3.35, 5.0) == pytest.approx(0.1)  # after the recovery: none
+    # A pause that ends after the next fault began is that fault's, not this one's.
+    assert chaos.pause_over(times, 0.0, 0.3) == pytest.approx(0.1)
 
 
 def test_a_regroup_rewinds_to_its_checkpoint():
@@ -55,3 +57,13 @@ def test_the_headline_keys_come_from_the_runs_and_faults():
     assert keys["median_s_lost_per_fault"] == 3.0 and keys["worst_s_lost_per_fault"] == 20.0
     assert keys["lost_s_by_kind"] == {"kill": 2.0, "cut": 20.0}
     assert keys["held_out_loss_vs_undisturbed"] == pytest.approx(1.05)
+
+
+def test_the_recovery_target_holds_only_when_every_recovery_was_timed_within_it():
+    cells = [{"total_s": 0.6}, {"total_s": 1.9}, {"total_s": 1.0}]
+    assert chaos.recovery_headline(cells) == {"recovery_worst_s": 1.9, "recovery_median_s": 1.0,
+                                              "recovery_target_met": True}
+    assert not chaos.recovery_headline(cells + [{"total_s": 2.5}])["recovery_target_met"]
+    # A run that never recorded its recovery (it failed) is not a recovery within the target.
+    assert not chaos.recovery_headline(cells + [{"status": "failed"}])["recovery_target_met"]
+    assert chaos.recovery_headline([])["recovery_worst_s"] is None
