@@ -9,7 +9,9 @@ pytestmark = pytest.mark.unit
 
 
 def step(compute_s=0.03, comm_s=0.01, strategy="allreduce", **fields):
-    return {"compute_s": compute_s, "comm_s": comm_s, "wait_s": 0.0, "strategy": strategy, **fields}
+    """A step record; with an exchange of its own (as allreduce's every step) unless `exchange_s=None`."""
+    return {"compute_s": compute_s, "comm_s": comm_s, "wait_s": 0.0, "strategy": strategy, "exchange_s": 0.02,
+            **fields}
 
 
 def book_of(records):
@@ -57,9 +59,17 @@ def test_an_exchange_of_minutes_is_kept_whatever_the_steps_between_exchanges():
 
 
 def test_a_parameter_servers_round_trip_counts_as_an_exchange():
-    book = book_of([step(strategy="async", round_trip_s=4.0)] * MIN_STEPS)
+    book = book_of([step(strategy="async", exchange_s=None, comm_total_s=4.0)] * MIN_STEPS)
     assert book.propose(UNMEASURED_S, "async") is None  # 40 s: within half of a minute and under it
     assert book.propose(FLOOR_S, "async") == 40.0
+
+
+def test_nothing_is_lowered_before_the_strategys_first_exchange_was_measured():
+    # average with period 64 on a thin link: 63 steps of compute alone say nothing of the exchange.
+    book = book_of([step(strategy="average", comm_s=0.0, exchange_s=None)] * 63)
+    assert book.longest_wait_s() is None and book.propose(UNMEASURED_S, "average") is None
+    book.add(step(strategy="average", exchange_s=95.0))  # the first sync: an exchange of a minute and a half
+    assert book.propose(UNMEASURED_S, "average") == 950.0
 
 
 def test_a_pause_at_the_control_point_is_not_a_wait_on_a_peer():

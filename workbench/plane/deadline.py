@@ -8,7 +8,9 @@ that hung. So unless the user fixes it, the timeout follows the running strategy
 
 * the longest wait a worker should see is the longest a peer takes between two points where it answers:
   a step (its compute and its exchange, `compute_s + comm_s`) or an exchange of its own, overlapped or
-  not (`exchange_s`; a parameter server's `round_trip_s`);
+  not (`exchange_s`; a parameter server's round trip, `comm_total_s`);
+* nothing is lowered before the running strategy's first exchange was measured: the steps between the
+  syncs of `average` with a long period say nothing of an exchange that may take minutes;
 * the timeout is HEADROOM times that, within [FLOOR_S, CEILING_S]: a wait ten times the longest seen is
   no longer a slow peer;
 * steps are judged over the last WINDOW records, so that a faster link lowers the timeout again; an
@@ -44,7 +46,7 @@ def wait_of(record: dict[str, Any]) -> tuple[float, float]:
     """(the step's own time, its exchange's time) from a step record; 0.0 where a field is missing. A
     control point's wait (`wait_s`: a pause, the user's) is not a wait on a peer."""
     step = (record.get("compute_s") or 0.0) + (record.get("comm_s") or 0.0)
-    exchange = max(record.get("exchange_s") or 0.0, record.get("round_trip_s") or 0.0)
+    exchange = max(record.get("exchange_s") or 0.0, record.get("comm_total_s") or 0.0)
     return step, exchange
 
 
@@ -56,6 +58,7 @@ class WaitBook:
         self.steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.longest_exchange_s = 0.0
         self.measured = 0
+        self.exchanges = 0
         self.longest_evaluation_s = 0.0  # whatever the strategy: rank 0's evaluations cost the same
         self.evaluations = 0
 
@@ -73,6 +76,7 @@ class WaitBook:
         self.steps.append(step)
         self.longest_exchange_s = max(self.longest_exchange_s, exchange)
         self.measured += 1
+        self.exchanges += any(record.get(field) is not None for field in ("exchange_s", "comm_total_s"))
 
     def restart(self, strategy: str | None = None) -> None:
         """Measure again (a switch, a regroup): what was measured says nothing of the new waits."""
@@ -80,10 +84,12 @@ class WaitBook:
         self.steps.clear()
         self.longest_exchange_s = 0.0
         self.measured = 0
+        self.exchanges = 0
 
     def longest_wait_s(self) -> float | None:
-        """The longest wait a peer should see now; None until MIN_STEPS records were measured."""
-        if self.measured < MIN_STEPS:
+        """The longest wait a peer should see now; None until MIN_STEPS records and one exchange were
+        measured."""
+        if self.measured < MIN_STEPS or not self.exchanges:
             return None
         return max(max(self.steps, default=0.0), self.longest_exchange_s, self.longest_evaluation_s)
 
@@ -110,4 +116,4 @@ def describe(event: dict[str, Any]) -> str:
         return (f"timeout: {timeout}, measured: {HEADROOM:g} times the longest step or exchange of "
                 f"{event.get('strategy')} ({event['longest_wait_s']:.3g} s), within {FLOOR_S:g} s and "
                 f"{CEILING_S:g} s")
-    return f"timeout: {timeout} until {event.get('strategy')}'s steps are measured"
+    return f"timeout: {timeout} until {event.get('strategy')}'s steps and exchanges are measured"

@@ -72,7 +72,7 @@ STRATEGY_FIELDS = {  # added by the strategies (and on GPUs by the loop), at the
     "comm_total_s": "the exchange's whole time, hidden part included",
     "steps_since_sync": "average: local steps since the last averaging",
     "divergence": "average: relative L2 distance from the mean weights at a sync",
-    "exchange_s": "average: how long the all-reduce took (with overlap: the exchange in flight, whole)",
+    "exchange_s": "allreduce and average: how long the exchange took, whole (with overlap: in flight, whole)",
     "clock": "parameter server: this rank's windows pushed",
     "staleness": "parameter server: server versions since this rank's weights",
     "server_version": "parameter server: the version its reply carried",

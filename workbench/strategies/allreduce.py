@@ -107,6 +107,8 @@ class AllReduce(Strategy):
         self.buckets: list[_Bucket] = []
         self.hooks: list[Any] = []  # none until `setup` (and none at all when the model factory failed)
         self.balance: BatchBalance | None = None  # the cut of the global batch, with more than one worker
+        self.launched: float | None = None  # when this step's first bucket went on the wire
+        self.exchange_s = 0.0
 
     def setup(self, context: TrainingContext) -> None:
         self.world_size = context.world_size
@@ -155,6 +157,8 @@ class AllReduce(Strategy):
         else:  # already scaled: what the sum of world_size of them needs to fit, then the cast
             bucket.in_flight = bucket.wire_buffer(dtype).copy_(clamp_for_wire(bucket.buffer, dtype, self.world_size))
         bucket.work = self.comm.start_all_reduce(bucket.in_flight)
+        if self.launched is None:  # the step's exchange starts with its first bucket
+            self.launched = time.perf_counter()
 
     def after_backward(self, context: TrainingContext) -> dict[str, Any]:
         if not self.buckets:
@@ -174,6 +178,8 @@ class AllReduce(Strategy):
             sent += bucket.in_flight.numel() * bucket.in_flight.element_size()
             bucket.ready, bucket.work, bucket.filled = 0, None, [False] * len(bucket.parameters)
         self.bytes_sent = all_reduce_bytes_sent(sent, self.world_size)
+        # The whole exchange, hidden part included: what a peer may have to wait for (plane/deadline.py).
+        self.exchange_s, self.launched = time.perf_counter() - (self.launched or started), None
         if balancing:
             self.balance.exchanged()
         return {"comm_s": time.perf_counter() - started}
@@ -187,8 +193,8 @@ class AllReduce(Strategy):
             started = time.perf_counter()
             if self.balance.due:
                 self.balance.rebalance(self.comm)
-            return {"bytes_sent": self.bytes_sent, "comm_s": time.perf_counter() - started}
-        return {"bytes_sent": self.bytes_sent}
+            return {"bytes_sent": self.bytes_sent, "exchange_s": self.exchange_s, "comm_s": time.perf_counter() - started}
+        return {"bytes_sent": self.bytes_sent, "exchange_s": self.exchange_s}
 
     def update_settings(self, changes: dict[str, Any]) -> None:
         super().update_settings(changes)
