@@ -57,6 +57,8 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     measured = summary["deadline"]
     assert measured["how"] == "measured" and measured["strategy"] == "average"
     assert measured["timeout_s"] == max(15.0, 10 * measured["longest_wait_s"])
+    config = json.loads((run_dirs[0] / "config.json").read_text())
+    assert config["collective_timeout_s"] is None and config["deadline"]["how"] == "measured"
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("timeout: ")]
     assert f"{measured['timeout_s']:.3g} s, measured" in line
 

@@ -105,3 +105,9 @@ def test_a_run_that_evaluates_keeps_the_unmeasured_timeout_until_an_evaluation_w
 def test_the_timeout_in_force_is_said_in_one_line(event, words):
     text = deadline.describe(event)
     assert "\n" not in text and all(word in text for word in words), text
+
+
+def test_a_runs_config_says_how_its_timeout_is_decided():
+    assert deadline.policy(10.0) == {"how": "set", "timeout_s": 10.0}
+    measured = deadline.policy(None)
+    assert measured["how"] == "measured" and (measured["floor_s"], measured["ceiling_s"]) == (FLOOR_S, CEILING_S)

@@ -107,6 +107,14 @@ class WaitBook:
         return None
 
 
+def policy(fixed_s: float | None) -> dict[str, Any]:
+    """How a run's timeout is decided, for its config: the user's, or measured within its bounds."""
+    if fixed_s is not None:
+        return {"how": "set", "timeout_s": fixed_s}
+    return {"how": "measured", "headroom": HEADROOM, "floor_s": FLOOR_S, "ceiling_s": CEILING_S,
+            "unmeasured_s": UNMEASURED_S, "min_steps": MIN_STEPS, "window": WINDOW}
+
+
 def describe(event: dict[str, Any]) -> str:
     """One line on the timeout in force, from the newest 'deadline' event: how long, and why."""
     timeout = f"{event['timeout_s']:.3g} s"

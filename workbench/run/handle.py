@@ -29,7 +29,7 @@ from workbench.cluster import membership
 from workbench.data import DaskArrayData
 from workbench.errors import ConfigError, DivergenceError, ResumeError, TrainingError
 from workbench.job import Job, PreparedJob, check_lr
-from workbench.plane import checkpoint_format as checkpoints, kinds
+from workbench.plane import checkpoint_format as checkpoints, deadline, kinds
 from workbench.plane.control import ControlState, ControlWriter
 from workbench.plane.metrics import MetricsTable, topic
 from workbench.plane.rundir import CONFIG_FILE, RunDirectory, atomic_write, read_metrics
@@ -252,7 +252,8 @@ class Run(RunViews):
             "job": prepared.job.describe(), "workers": addresses, "world_size": len(addresses),
             "parameters": prepared.n_parameters, "data": prepared.data_info, "scheduler": client.scheduler.address,
             "started": time.time(), "owner": self.owner, "directory": str(self.directory.path.resolve()),
-            "collective_timeout_s": self.collective_timeout_s,
+            "collective_timeout_s": self.collective_timeout_s,  # None: measured, `deadline` below
+            "deadline": deadline.policy(self.collective_timeout_s),
             "fault_tolerance": {"checkpoint_every_steps": self.checkpoint_every_steps,
                                 "checkpoint_every_s": self.checkpoint_every_s, "min_workers": self.min_workers,
                                 "auto_join": self.auto_join},
