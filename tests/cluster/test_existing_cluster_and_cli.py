@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import workbench
+from workbench.plane import deadline
 
 from helpers import cli_in_process, dask_cluster_on_loopback
 
@@ -53,14 +54,16 @@ def test_cli_trains_on_the_embedded_cluster_and_prints_accuracy(tmp_path):
     # The summary carries the best held-out metric (the dashboard lists the run from it alone).
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["best_metric"][0] == "accuracy" and 0.9 <= summary["best_metric"][1] <= 1.0
-    # No --timeout: the one in force was measured from average's steps and syncs, and is said.
-    measured = summary["deadline"]
-    assert measured["how"] == "measured" and measured["strategy"] == "average"
-    assert measured["timeout_s"] == max(15.0, 10 * measured["longest_wait_s"])
+    # No --timeout: measured from average's steps, syncs and evaluations once they are (a run this short
+    # may end first, under load), and the one in force at the end is said as the summary has it.
+    in_force = summary["deadline"]
+    assert in_force["strategy"] == "average" and in_force["how"] in ("measured", "unmeasured")
+    if in_force["how"] == "measured":
+        assert in_force["timeout_s"] == max(15.0, 10 * in_force["longest_wait_s"])
     config = json.loads((run_dirs[0] / "config.json").read_text())
     assert config["collective_timeout_s"] is None and config["deadline"]["how"] == "measured"
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("timeout: ")]
-    assert f"{measured['timeout_s']:.3g} s, measured" in line
+    assert line == deadline.describe(in_force)
 
 
 def test_cli_prints_staleness_and_bytes_for_the_parameter_server(tmp_path):
