@@ -25,7 +25,8 @@ def test_traits_are_declared_once_per_class_and_frozen(name):
     assert isinstance(traits, Traits) and traits.summary
     with pytest.raises(dataclasses.FrozenInstanceError):
         traits.uses_process_group = not traits.uses_process_group
-    assert suggested_sgd(name) == {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum}
+    assert suggested_sgd(name) == {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum,
+                                   "lr_schedule": traits.suggested_schedule}
 
 
 def test_the_traits_say_how_each_strategy_meets_the_others():
@@ -33,4 +34,5 @@ def test_the_traits_say_how_each_strategy_meets_the_others():
     assert synchronous == {"allreduce", "average"}
     assert {n for n, c in STRATEGIES.items() if c.traits.takes_own_weights} == {"easgd"}
     assert {n for n, c in STRATEGIES.items() if c.traits.own_optimizer_states} == {"average", "easgd"}
-    assert STRATEGIES["ssp"].traits.suggested_lr == STRATEGIES["async"].traits.suggested_lr == 0.3
+    assert STRATEGIES["ssp"].traits.suggested_lr == STRATEGIES["async"].traits.suggested_lr == 0.5
+    assert {n for n, c in STRATEGIES.items() if c.traits.suggested_schedule == "cosine"} == {"async", "ssp"}

@@ -51,7 +51,7 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--epochs", type=_positive_int, default=None, help="passes over each worker's shard (default 5)")
     run.add_argument("--steps", type=_positive_int, default=None, help="total steps per worker, instead of --epochs")
     run.add_argument("--lr", type=_positive_float, default=None,
-                     help="learning rate (default: the strategy's: 0.3 for async/ssp, 0.1 for the others with sgd, "
+                     help="learning rate (default: the strategy's: 0.5 for async/ssp, 0.1 for the others with sgd, "
                           "0.001 with adam/adamw)")
     run.add_argument("--momentum", type=float, default=None,
                      help="SGD momentum (default: the strategy's: 0 for async/ssp, 0.9 for the others)")
@@ -68,7 +68,8 @@ def build_parser(describe_added: bool = False) -> argparse.ArgumentParser:
                      help="stdlib-text: bytes per sample window (default: the GPT's positions)")
     run.add_argument("--hidden", type=_positive_int, nargs="*", default=[128], help="hidden layer sizes of the MLP")
     run.add_argument("--lr-schedule", default=None, choices=SCHEDULES,
-                     help="learning rate over the run (default: cosine for a GPT, constant for the MLP)")
+                     help="learning rate over the run (default: cosine for a GPT; for the MLP with sgd the strategy's: "
+                          "cosine for async/ssp, constant for the others; else constant)")
     run.add_argument("--warmup-steps", type=_non_negative_int, default=None,
                      help="steps of linear learning-rate warm-up (default: 5%% of the run for a GPT, 0 for the MLP)")
     run.add_argument("--compile", action="store_true", help="compile the model's forward pass (torch.compile)")
@@ -196,10 +197,10 @@ def _train(arguments: argparse.Namespace) -> int:
         model = gpt(model_name)
     language_model = model_name != "mlp"
     arguments.optimizer = arguments.optimizer or ("adamw" if language_model else "sgd")
-    lr, momentum = _hyperparameters(arguments, language_model)
+    lr, momentum, suggested_schedule = _hyperparameters(arguments, language_model)
     unbounded = not (arguments.epochs or arguments.steps)
     steps = DEFAULT_TEXT_STEPS if unbounded and text else arguments.steps
-    schedule = arguments.lr_schedule or ("cosine" if language_model else "constant")
+    schedule = arguments.lr_schedule or ("cosine" if language_model else suggested_schedule)
     warmup = arguments.warmup_steps
     if warmup is None:
         warmup = int(WARMUP_SHARE * (steps or 0)) if language_model and steps else 0
@@ -223,17 +224,18 @@ def _train(arguments: argparse.Namespace) -> int:
                                                         **fault_tolerance, **exports, **settings))
 
 
-def _hyperparameters(arguments: argparse.Namespace, language_model: bool = False) -> tuple[float, float]:
+def _hyperparameters(arguments: argparse.Namespace, language_model: bool = False) -> tuple[float, float, str]:
     """The learning rate and momentum asked for, else the strategy's own defaults (Adam's lr for adam; a
-    GPT's lr with AdamW, nanoGPT's for its small character-level models)."""
+    GPT's lr with AdamW, nanoGPT's for its small character-level models), and the schedule that goes with
+    the strategy's SGD (constant with any other optimizer)."""
     suggested = suggested_sgd(AUTO_START if arguments.strategy == AUTO else arguments.strategy)
     if arguments.optimizer != "sgd":
         if arguments.momentum:
             raise ConfigError("--momentum", arguments.momentum, "only with --optimizer sgd",
                               f"{arguments.optimizer} keeps moment estimates of its own")
-        return (arguments.lr if arguments.lr is not None else GPT_LR if language_model else ADAM_LR), 0.0
+        return (arguments.lr if arguments.lr is not None else GPT_LR if language_model else ADAM_LR), 0.0, "constant"
     lr = arguments.lr if arguments.lr is not None else suggested["lr"]
-    return lr, (arguments.momentum if arguments.momentum is not None else suggested["momentum"])
+    return lr, (arguments.momentum if arguments.momentum is not None else suggested["momentum"]), suggested["lr_schedule"]
 
 
 ADAM_LR = 1e-3

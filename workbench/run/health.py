@@ -80,7 +80,7 @@ class LossWatch:
             defaults = suggested_sgd(self.strategy)
             return (f"Under {self.strategy}, stale updates act like extra momentum: try momentum 0-0.4 and a "
                     f"lower learning rate (run.set_lr), or this strategy's defaults (lr {defaults['lr']:g}, "
-                    f"momentum {defaults['momentum']:g})")
+                    f"momentum {defaults['momentum']:g}, {defaults['lr_schedule']} schedule)")
         return "Try a lower learning rate (run.set_lr), or check the data and the loss"
 
 

@@ -28,10 +28,11 @@ def get_strategy(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def suggested_sgd(name: str) -> dict[str, float]:
-    """The SGD learning rate and momentum strategy `name` trains well with by default."""
+def suggested_sgd(name: str) -> dict[str, Any]:
+    """The SGD learning rate, momentum and learning-rate schedule strategy `name` trains well with by
+    default, as `Job` fields."""
     traits = get_strategy(name).traits
-    return {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum}
+    return {"lr": traits.suggested_lr, "momentum": traits.suggested_momentum, "lr_schedule": traits.suggested_schedule}
 
 
 def make_settings(name: str, values: dict[str, Any]) -> StrategySettings:

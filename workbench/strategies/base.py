@@ -79,10 +79,11 @@ class Traits:
     # The strategy can start with each worker on its own weights over a common base (`Carried.common`),
     # so a switch to it from a strategy that has one skips bringing the workers together (`common_base`).
     takes_own_weights: bool = False
-    # The SGD learning rate and momentum this strategy trains well with by default (the CLI's defaults):
-    # what suits synchronous training overshoots under asynchrony (see AsyncSGD).
+    # The SGD learning rate, momentum and schedule this strategy trains well with by default (the CLI's
+    # defaults): what suits synchronous training overshoots under asynchrony (see AsyncSGD).
     suggested_lr: float = 0.1
     suggested_momentum: float = 0.9
+    suggested_schedule: str = "constant"
 
 
 @dataclasses.dataclass
