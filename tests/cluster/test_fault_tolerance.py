@@ -144,6 +144,10 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     assert sum(recovered["phases_s"].values()) == pytest.approx(recovered["total_s"], abs=0.01)
     assert run.summary()["recoveries"][0]["total_s"] == recovered["total_s"]
     print(f"{strategy}: {recovery.describe(recovered)}")
+    # The checkpoint crossed to the new group only where it was not kept: rank 0's worker, which took it,
+    # starts from its own copy if it survived.
+    origins = {e["address"]: e["checkpoint"] for e in run.events("worker-started") if e["generation"] == 1}
+    assert origins == {a: "kept" if a == addresses[0] else "sent" for a in regrouped[0]["workers"]}
     # The survivors left the broken group; none is recorded as failed.
     assert not run.events("worker-failed")
     left = {e["worker"] for e in run.events("worker-left") if e["generation"] == 0}

@@ -209,3 +209,25 @@ def test_after_a_resume_or_a_switch_the_group_step_counts_on_from_where_the_stra
     _, other = _loop_of_independent_ranks(_server_strategy("async", world_size=2, version=0), rank=1)
     other.loop.strategy.known_version = 500
     assert not other.due(None, 0)
+
+
+def test_the_checkpoint_the_client_took_is_kept_for_the_next_group_as_a_copy_until_the_run_ends():
+    first = {"step": 40, "generation": 0, "time": 1.0, "optimizer": {"exp_avg": torch.ones(3)}}
+    newer = {"step": 80, "generation": 0, "time": 2.0, "optimizer": {"exp_avg": torch.full((3,), 2.0)}}
+    checkpoints.leave_snapshot("run-k", first)
+    assert not checkpoints.holds("run-k", checkpoints.identity(first))  # left, not taken: the client may never have it
+    assert checkpoints.take_snapshot("run-k") is first
+    assert checkpoints.holds("run-k", checkpoints.identity(first))
+    checkpoints.leave_snapshot("run-k", newer)
+    assert checkpoints.take_snapshot("run-k") is newer
+    assert not checkpoints.holds("run-k", checkpoints.identity(first)) and checkpoints.holds("run-k", (0, 80, 2.0))
+    # What a group starts from is a copy: the optimizer's state aliases the tensors it loads, and training
+    # must not change what a later regroup starts from again.
+    resolved = checkpoints.KeptCheckpoint("run-k", (0, 80, 2.0)).resolve()
+    resolved["optimizer"]["exp_avg"].add_(1.0)
+    assert checkpoints.KeptCheckpoint("run-k", (0, 80, 2.0)).resolve()["optimizer"]["exp_avg"].tolist() == [2.0] * 3
+    assert not checkpoints.holds("run-other", (0, 80, 2.0))
+    checkpoints.forget("run-k")
+    assert not checkpoints.holds("run-k", (0, 80, 2.0))
+    with pytest.raises(workbench.WorkbenchError, match="run-k at step 80 that this worker kept is gone"):
+        checkpoints.KeptCheckpoint("run-k", (0, 80, 2.0)).resolve()

@@ -43,12 +43,12 @@ def test_a_group_whose_every_failure_is_a_timeout_stalled_and_goes_on_with_every
     assert not regroup.stalled([GLOO_TIMEOUT, "ValueError: bad labels in the batch"])  # the user's code failed
     assert not regroup.stalled([])
     addresses = [A, B, C]
-    assert regroup.after_failure(addresses, set(), {A, B, C}, False, 1, stalled=True) == \
+    assert regroup.after_failure(addresses, set(), {A, B, C}, False, 1, only_stalled=True) == \
         regroup.Verdict("regroup", (A, B, C))
-    assert regroup.after_failure(addresses, set(), {A, C}, False, 1, stalled=True).workers == (A, C)
+    assert regroup.after_failure(addresses, set(), {A, C}, False, 1, only_stalled=True).workers == (A, C)
     # Too few left, or the user stopping: the run ends as before.
-    assert regroup.after_failure(addresses, set(), {A}, False, 2, stalled=True).action == "fail"
-    assert regroup.after_failure(addresses, set(), {A, B, C}, True, 1, stalled=True).action == "fail"
+    assert regroup.after_failure(addresses, set(), {A}, False, 2, only_stalled=True).action == "fail"
+    assert regroup.after_failure(addresses, set(), {A, B, C}, True, 1, only_stalled=True).action == "fail"
 
 
 def test_after_success_a_join_regroups_unless_the_user_stopped():

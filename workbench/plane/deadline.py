@@ -37,9 +37,9 @@ WINDOW = 256  # step records over which the longest step is judged
 LOWER_BELOW = 0.5  # a measured timeout under this share of the one in force replaces it
 
 
-def timeout_for(longest_wait_s: float, floor_s: float = FLOOR_S, ceiling_s: float = CEILING_S) -> float:
+def timeout_for(longest_wait_s: float) -> float:
     """The timeout a run whose longest measured wait is `longest_wait_s` should have."""
-    return min(ceiling_s, max(floor_s, HEADROOM * longest_wait_s))
+    return min(CEILING_S, max(FLOOR_S, HEADROOM * longest_wait_s))
 
 
 def wait_of(record: dict[str, Any]) -> tuple[float, float]:

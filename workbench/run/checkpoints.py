@@ -27,6 +27,8 @@ class CheckpointStore:
 
     def __init__(self, latest: dict[str, Any] | None, every_s: float | None) -> None:
         self.latest = latest  # what the run goes on from after a loss
+        self.holder: str | None = None  # the worker that keeps `latest` in memory too (the one it came from)
+        self.holders: set[str] = set()  # every worker that kept one (each keeps its newest until the run ends)
         self.info: dict[str, Any] | None = None  # the newest written: step, path, time, generation
         self.every_s = every_s
         self._lock = threading.Lock()  # the writer thread and the supervisor both store them
@@ -77,10 +79,12 @@ class CheckpointStore:
                 if fetched is not None:
                     fetched.release()
             if checkpoint is not None:
-                self.store(checkpoint)
+                self.holders.add(address)
+                self.store(checkpoint, holder=address)
 
-    def store(self, checkpoint: dict[str, Any]) -> None:
-        """Write a checkpoint atomically unless it holds NaN or infinity (the last good one is kept)."""
+    def store(self, checkpoint: dict[str, Any], holder: str | None = None) -> None:
+        """Write a checkpoint atomically unless it holds NaN or infinity (the last good one is kept);
+        `holder`: the worker it was taken from, which keeps it too."""
         if not checkpoints.all_finite(checkpoint["weights"]):
             self.publish({"kind": kinds.CHECKPOINT_REFUSED, "time": time.time(), "step": checkpoint["step"],
                           "reason": "non-finite weights"})
@@ -90,7 +94,7 @@ class CheckpointStore:
             if current is not None and current is not checkpoint and age(current) > age(checkpoint):
                 return  # an older one fetched late
             checkpoints.save(self.path, checkpoint)
-            self.latest = checkpoint
+            self.latest, self.holder = checkpoint, holder
             self.info = {"step": checkpoint["step"], "path": str(self.path), "written": time.time(),
                          "generation": checkpoint.get("generation")}
         self.publish({"kind": kinds.CHECKPOINT, "time": time.time(), "step": checkpoint["step"], "path": str(self.path),

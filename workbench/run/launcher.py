@@ -158,9 +158,11 @@ def rescaled_step(checkpoint: dict[str, Any], world_size: int, steps_per_epoch: 
 
 
 def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState, addresses: list[str],
-           checkpoint: dict[str, Any] | None, generation: int, options: LaunchOptions) -> Group:
+           checkpoint: dict[str, Any] | None, generation: int, options: LaunchOptions,
+           holder: str | None = None) -> Group:
     """Start group `generation` on `addresses` from `checkpoint` (or the job's initial weights), with the
-    run's current learning rate, strategy and settings (`state`)."""
+    run's current learning rate, strategy and settings (`state`). `holder`: a worker that may keep
+    `checkpoint` in memory already (it was taken from there): if it does, it is not sent there again."""
     world_size = len(addresses)
     train_payload, shard_samples, local = _place_training_data(client, prepared.train, addresses)
     check_batch_fits_shard(prepared.job.batch_size, shard_samples, world_size)
@@ -172,7 +174,7 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     ranks = (checkpoint or {}).get("ranks") or []
     same_world = len(ranks) == world_size
     steps_per_epoch = shard_samples // prepared.job.batch_size
-    saved = client.scatter(checkpoint, workers=addresses, broadcast=True, hash=False) if checkpoint else None
+    saved = _send_checkpoint(client, options.run_id, checkpoint, holder, addresses)
     # Every run has a process group (see worker/loop.py), on a port free on rank 0's machine.
     host = get_address_host(addresses[0])
     port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
@@ -198,11 +200,32 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
         data = train_payload[address] if local else train_payload
         starts.append(start_step)
         futures.append(client.submit(
-            train_on_worker, task, data, eval_payload if rank == 0 else None, saved,
+            train_on_worker, task, data, eval_payload if rank == 0 else None, saved.get(address),
             key=f"workbench-{options.run_id}-g{generation}-{launched}-rank-{rank}", workers=[address],
             allow_other_workers=False, pure=False, retries=0,
         ))
     return Group(generation, list(addresses), futures, total_steps, shard_samples, min(starts))
+
+
+def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | None, holder: str | None,
+                     addresses: list[str]) -> dict[str, Any]:
+    """Per worker, what it starts from: a reference to the checkpoint where it keeps it (`holder`, asked
+    first: a worker restarted under the same address keeps nothing), else the checkpoint, scattered once."""
+    if checkpoint is None:
+        return {}
+    wanted = checkpoints.identity(checkpoint)
+    keeps = []
+    if holder in addresses:
+        try:
+            keeps = [a for a, held in client.run(checkpoints.holds, run_id, wanted, workers=[holder]).items() if held]
+        except Exception:  # gone meanwhile: it is sent the checkpoint like every other worker
+            keeps = []
+    saved: dict[str, Any] = {a: checkpoints.KeptCheckpoint(run_id, wanted) for a in keeps}
+    rest = [a for a in addresses if a not in saved]
+    if rest:
+        scattered = client.scatter(checkpoint, workers=rest, broadcast=True, hash=False)
+        saved.update({a: scattered for a in rest})
+    return saved
 
 
 def _place_training_data(client: Client, source: DataSource, addresses: list[str]):

@@ -55,14 +55,14 @@ def stalled(errors: list[str]) -> bool:
 
 
 def after_failure(addresses: list[str], lost: set[str], present: set[str], stop_requested: bool,
-                  min_workers: int, stalled: bool = False) -> Verdict:
+                  min_workers: int, only_stalled: bool = False) -> Verdict:
     """A worker failed or was lost. Nobody lost: the run fails with the workers' errors, unless the group
-    only `stalled` (every failure a timeout waiting on the others, see `stalled`): it then goes on with
+    `only_stalled` (every failure a timeout waiting on the others, see `stalled`): it then goes on with
     every worker still present, from the last checkpoint. Otherwise it goes on with the survivors, unless
     it was being stopped (it stops, keeping its last checkpoint) or fewer than `min_workers` are left."""
     if not lost:
         survivors = tuple(a for a in addresses if a in present)
-        if stalled and not stop_requested and len(survivors) >= min_workers:
+        if only_stalled and not stop_requested and len(survivors) >= min_workers:
             return Verdict("regroup", survivors)
         return Verdict("fail")
     ordered = tuple(sorted(lost))

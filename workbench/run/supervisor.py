@@ -22,7 +22,7 @@ from distributed.scheduler import KilledWorker
 from workbench.cluster.announcements import requests_topic
 from workbench.cluster.membership import Roster
 from workbench.errors import ConfigError, DivergenceError
-from workbench.plane import kinds
+from workbench.plane import checkpoint_format, kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
 from workbench.run import recovery, regroup
@@ -70,7 +70,8 @@ class Supervisor:
         options = LaunchOptions(run.run_id, in_force(None, run.collective_timeout_s),
                                 run.checkpoint_every_steps, run.step_delays, run.sample_delays)
         run.feed.new_generation(generation)
-        group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options)
+        holder = run.checkpoints.holder if checkpoint is not None and checkpoint is run.checkpoints.latest else None
+        group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options, holder)
         self.group = group
         run.checkpoints.restart_timer()
         run.feed.publish({"kind": kinds.GENERATION_STARTED, "time": time.time(), "generation": generation,
@@ -119,6 +120,7 @@ class Supervisor:
             if getattr(run.client, "status", None) == "running":
                 self._release_results()
                 run.placement.give_back()
+                _forget_kept(run)
             run.ended.set()
 
     def _release_results(self) -> None:
@@ -386,6 +388,22 @@ class Supervisor:
         self.regroup_to = following
         run.control.update(stop=True, regroup=True)
         return following
+
+
+def _forget_kept(run: Run) -> None:
+    """The checkpoints workers kept for the run's next group go from their memory. On a thread of its
+    own: a worker behind a cut link would hold the run's end for Dask's connect timeout."""
+    holders = sorted(run.checkpoints.holders)
+    if not holders:
+        return
+
+    def forget() -> None:
+        try:
+            run.client.run(checkpoint_format.forget, run.run_id, workers=holders, on_error="ignore")
+        except Exception:
+            pass  # a worker or the scheduler gone meanwhile: nothing of it left to free
+
+    threading.Thread(target=forget, name=f"workbench-forget-{run.run_id}", daemon=True).start()
 
 
 class SchedulerWatch:

@@ -82,10 +82,8 @@ class _Bucket:
         parameter, view = self.parameters[index], self.views[index]
         if parameter.grad is None:
             view.zero_()
-        elif parameter.grad.data_ptr() != view.data_ptr():
+        else:  # one pass: copied and scaled (in place where autograd wrote into the view itself)
             torch.mul(parameter.grad, factor, out=view)
-        else:  # autograd added into the view itself (gradients kept from the step before were zeroed)
-            view.mul_(factor)
         parameter.grad = view
         self.filled[index] = True
 

@@ -30,7 +30,7 @@ from workbench.errors import DivergenceError
 from workbench.evaluation import evaluate
 from workbench.job import Job, autocast, loss_function
 from workbench.plane import kinds, relay as metrics_relay
-from workbench.plane.checkpoint_format import data_position
+from workbench.plane.checkpoint_format import KeptCheckpoint, data_position
 from workbench.plane.control import ControlPoller
 from workbench.plane.metrics import MetricsSender, topic
 from workbench.schedule import lr_factor
@@ -71,9 +71,9 @@ class WorkerTask:
 
 
 def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | None,
-                    resume_from: dict[str, Any] | None = None) -> dict[str, Any]:
+                    resume_from: dict[str, Any] | KeptCheckpoint | None = None) -> dict[str, Any]:
     """Run one rank of a job to its end; returns the rank's summary (and, on rank 0, the final weights
-    and a checkpoint to go on from)."""
+    and a checkpoint to go on from). `resume_from`: the checkpoint, or where this worker keeps it."""
     secede()
     worker = get_worker()
     allocator_tuned = configure_worker_for_training(worker)
@@ -86,8 +86,11 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     loop = _Loop(task, get_strategy(task.strategy)(task.settings), poller, sender, ProcessGroupTransport())
     poller.after_each_poll(loop.control.break_group_if_ended)
     try:
+        # Where its checkpoint came from: kept in this worker's memory, or sent by the client.
+        origin = "kept" if isinstance(resume_from, KeptCheckpoint) else "sent" if resume_from is not None else None
         sender.event(kinds.WORKER_STARTED, address=worker.address, pid=os.getpid(), host=socket.gethostname(),
-                     generation=task.generation, start_step=task.start_step, allocator_tuned=allocator_tuned)
+                     generation=task.generation, start_step=task.start_step, allocator_tuned=allocator_tuned,
+                     checkpoint=origin)
         device = resolve_device(task.job.device)
         # Every run forms the process group, whatever its strategy: workers agree on switches and on the
         # end of the run through it, and a switch to a synchronous strategy needs it.
@@ -95,6 +98,8 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
                                        device, task.collective_timeout_s, dask_ports=_dask_ports(task),
                                        own_host=get_address_host(worker.address))
         loop.control.joined_group = True
+        if isinstance(resume_from, KeptCheckpoint):
+            resume_from = resume_from.resolve()
         result = loop.run(train_data, eval_data, device, resume_from)
         sender.event(kinds.WORKER_FINISHED, steps=result["steps"], stopped=result["stopped"], generation=task.generation,
                      weights=result["weights"])
