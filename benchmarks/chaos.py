@@ -28,8 +28,9 @@ the finished chaos runs of their final held-out loss over the undisturbed run's.
 `--recovery` (issue 46, item 1: a lost worker costs at most 2 s from the fault to the first step after,
 under every strategy): the same job, one run per strategy with its defaults, on the embedded cluster (two
 local workers) and on the lab with its links at 100 Mbit/s; once the run has a checkpoint, the worker of
-its last rank is killed, and the run's `recovered` event says the recovery's phases. Computed:
-`recovery_worst_s` (the longest over every strategy and both places) and `recovery_target_met` (<= 2 s);
+its last rank is killed (in a second run, its first rank's: the worker that keeps the last checkpoint), and
+the run's `recovered` event says the recovery's phases. Computed: `recovery_worst_s` (the longest over
+every strategy, both places and both ranks), the same per rank killed, and `recovery_target_met` (<= 2 s);
 written to `chaos-recovery.json`.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import random
@@ -261,13 +263,22 @@ RECOVERY_TARGET_S = 2.0
 def recovery_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
     totals = [c["total_s"] for c in cells if c.get("total_s") is not None]
     complete = bool(cells) and len(totals) == len(cells)
-    return {"recovery_worst_s": max(totals) if totals else None,
-            "recovery_median_s": statistics.median(totals) if totals else None,
-            "recovery_target_met": complete and max(totals) <= RECOVERY_TARGET_S}
+    headline = {"recovery_worst_s": max(totals) if totals else None,
+                "recovery_median_s": statistics.median(totals) if totals else None,
+                "recovery_target_met": complete and max(totals) <= RECOVERY_TARGET_S}
+    # Which rank was lost matters: rank 0's worker keeps the last checkpoint (it was taken there), so the
+    # group after its loss is sent the checkpoint; after another's it starts from rank 0's own copy.
+    for killed in sorted({c["killed_rank"] for c in cells if "killed_rank" in c}):
+        mine = [c["total_s"] for c in cells if c.get("killed_rank") == killed and c.get("total_s") is not None]
+        headline[f"recovery_worst_s_{killed}_rank_killed"] = max(mine) if mine else None
+    return headline
 
 
-def recover_once(client: Any, scratch: Path, strategy: str, steps: int) -> dict[str, Any]:
-    """One run of `strategy`, its last rank's worker killed once the run has a checkpoint."""
+VICTIMS = {"last": -1, "first": 0}  # which rank's worker a --recovery run loses
+
+
+def recover_once(client: Any, scratch: Path, strategy: str, steps: int, killed_rank: str) -> dict[str, Any]:
+    """One run of `strategy`, its first or last rank's worker killed once the run has a checkpoint."""
     import workbench
     from fidelity import MODEL, job_fields, text_data
 
@@ -277,7 +288,7 @@ def recover_once(client: Any, scratch: Path, strategy: str, steps: int) -> dict[
     deadline = time.monotonic() + 600
     while run.checkpoint_info is None and not run.done and time.monotonic() < deadline:
         time.sleep(0.2)
-    victim = run.worker_addresses[-1]
+    victim = run.worker_addresses[VICTIMS[killed_rank]]
     killed = time.time()
     os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
     try:
@@ -285,7 +296,9 @@ def recover_once(client: Any, scratch: Path, strategy: str, steps: int) -> dict[
     except Exception as error:  # noqa: BLE001 - recorded
         status = f"{type(error).__name__}: {str(error)[:300]}"
     recovered = run.events("recovered")
-    cell = {"strategy": strategy, "status": status, "killed": killed, "victim": victim}
+    cell = {"strategy": strategy, "status": status, "killed": killed, "victim": victim, "killed_rank": killed_rank,
+            # where each rank of the group after the loss got its checkpoint: kept in memory, or sent
+            "checkpoint": [e.get("checkpoint") for e in run.events("worker-started") if e.get("generation") == 1]}
     if recovered:
         cell.update(total_s=recovered[0]["total_s"], phases_s=recovered[0]["phases_s"])
     return cell
@@ -299,12 +312,12 @@ def recovery(arguments: argparse.Namespace, out: Path, document: dict[str, Any])
     cells: list[dict[str, Any]] = []
 
     def measure(place: str, client: Any, restore: Any) -> None:
-        for strategy in RECOVERY_STRATEGIES:
+        for strategy, killed_rank in itertools.product(RECOVERY_STRATEGIES, VICTIMS):
             restore()
-            cell = {"place": place, **recover_once(client, scratch, strategy, arguments.recovery_steps)}
+            cell = {"place": place, **recover_once(client, scratch, strategy, arguments.recovery_steps, killed_rank)}
             cells.append(cell)
-            print(f"{place:>12} {strategy:<10} {cell['status']}: recovered in {cell.get('total_s')} s "
-                  f"{cell.get('phases_s')}", flush=True)
+            print(f"{place:>12} {strategy:<10} {killed_rank:<5} {cell['status']}: recovered in {cell.get('total_s')} s "
+                  f"{cell.get('phases_s')} checkpoint {cell['checkpoint']}", flush=True)
             document.update(recovery_headline(cells), cells=cells)
             out.write_text(json.dumps(document, indent=1, default=str) + "\n")
 
@@ -351,7 +364,8 @@ def main() -> None:
     if arguments.recovery:
         document["settings"] = {"job": "fidelity's (gpt-mini on stdlib-text)", "steps": arguments.recovery_steps,
                                 "strategies": RECOVERY_STRATEGIES, "checkpoint_every_steps": CHECKPOINT_EVERY // 2,
-                                "killed": "the last rank's worker, once the run has a checkpoint",
+                                "killed": "the last rank's worker, then (another run) the first's, once the run "
+                                          "has a checkpoint",
                                 "places": ["embedded: 2 local workers", "lab: 2 worker hosts, links at 100 Mbit/s"],
                                 "target_s": RECOVERY_TARGET_S}
         recovery(arguments, out, document)

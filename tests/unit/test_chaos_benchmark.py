@@ -67,3 +67,11 @@ def test_the_recovery_target_holds_only_when_every_recovery_was_timed_within_it(
     # A run that never recorded its recovery (it failed) is not a recovery within the target.
     assert not chaos.recovery_headline(cells + [{"status": "failed"}])["recovery_target_met"]
     assert chaos.recovery_headline([])["recovery_worst_s"] is None
+
+
+def test_the_recovery_headline_says_the_worst_per_rank_killed():
+    cells = [{"total_s": 1.2, "killed_rank": "last"}, {"total_s": 2.1, "killed_rank": "first"},
+             {"total_s": 0.9, "killed_rank": "last"}]
+    headline = chaos.recovery_headline(cells)
+    assert headline["recovery_worst_s_last_rank_killed"] == 1.2 and headline["recovery_worst_s_first_rank_killed"] == 2.1
+    assert headline["recovery_worst_s"] == 2.1 and not headline["recovery_target_met"]
