@@ -21,21 +21,24 @@ import os
 import socket
 import ssl
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import dask
 import psutil
 from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster, Security
 from distributed.comm import get_address_host_port
+from distributed.deploy.spec import SpecCluster
 from distributed.system import MEMORY_LIMIT
 
 from workbench.cluster.restarts import keep_restarting_nannies
 from workbench.errors import ClusterError, ConfigError
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 # Worker and scheduler settings for clusters the workbench starts itself.
@@ -239,27 +242,56 @@ def connect(
         if chosen == "cuda" and (workers or gpus) <= gpus:
             from dask_cuda import LocalCUDACluster
 
-            local = LocalCUDACluster(
+            local = _started_where_a_signal_reaches(lambda: LocalCUDACluster(
                 n_workers=workers, threads_per_worker=threads_per_worker, dashboard_address=dashboard_address,
                 security=security, device_memory_limit=0, **cluster_options,
-            )
+            ))
         elif chosen == "cuda":
             message = placement_message(workers, gpus)
             logger.warning(message)
             warnings.warn(message, stacklevel=2)
-            local = SharedGpuCluster(
+            local = _started_where_a_signal_reaches(lambda: SharedGpuCluster(
                 gpus, n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
                 dashboard_address=dashboard_address, security=security, **cluster_options,
-            )
+            ))
         else:
-            local = LocalCluster(
+            local = _started_where_a_signal_reaches(lambda: LocalCluster(
                 n_workers=workers or 2, threads_per_worker=threads_per_worker, processes=True,
                 dashboard_address=dashboard_address, security=security, **cluster_options,
-            )
+            ))
         keep_restarting_nannies(local)  # a worker killed twice within 15 s comes back (cluster/restarts.py)
         client = Client(local, security=local.security if security is not None else None)
     client._workbench_owns_cluster = True  # type: ignore[attr-defined]
     return client
+
+
+def _started_where_a_signal_reaches(start: Callable[[], T]) -> T:
+    """`start()` on a thread of its own while the main thread waits in short slices. Python runs a signal's
+    handler in the main thread, when that thread next runs: Dask's `sync` waits in 10 s slices, and a
+    Ctrl-C or SIGTERM the kernel delivered to another thread of the process (any may take it) waited for
+    the slice's end, while the start-up went on (an interrupted start-up of 6 workers ended 16 s after
+    the signal, measured; 1-5 s when the main thread took it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return start()
+    done, outcome = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = start()
+        except BaseException as error:  # handed to the main thread, which raises it
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="workbench-cluster-start", daemon=True).start()
+    while not done.wait(SIGNAL_CHECK_S):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+SIGNAL_CHECK_S = 0.1  # how often the main thread wakes to run a signal's handler while a cluster starts
 
 
 @contextlib.contextmanager
@@ -268,9 +300,15 @@ def _no_process_left_if_interrupted() -> Iterator[None]:
     start-up is interrupted leaves its worker processes running otherwise (hundreds, once, measured)."""
     me = psutil.Process()
     before = {child.pid for child in me.children(recursive=True)}
+    clusters_before = set(SpecCluster._instances)
     try:
         yield
     except BaseException:
+        # A cluster whose start-up was cut short is not left to Dask's exit hook (`close_clusters`): it
+        # waited 10 s on a start that never ends before the interrupted command could exit (measured).
+        # Its processes are killed below; the object holds nothing else.
+        for cluster in set(SpecCluster._instances) - clusters_before:
+            SpecCluster._instances.discard(cluster)
         # Again while new ones appear: the cluster's event-loop thread may still be spawning workers.
         for _ in range(20):
             started = [child for child in me.children(recursive=True) if child.pid not in before]

@@ -6,6 +6,7 @@ the latest checkpoint, or end the run (finished, stopped, failed) and write its 
 in the cluster's queue is started from here once its workers are free. Losing the scheduler ends the
 run, saying where its last checkpoint is.
 
+Who was lost or joined is kept by `run/members.py` (`Members`), which the supervisor ticks.
 The supervisor owns the group training now (`group`); it reads the run's settings and parts and changes
 the run's record only through its lifecycle (status, `fail_with`, `keep_final_weights`).
 """
@@ -20,15 +21,14 @@ from typing import TYPE_CHECKING, Any
 from distributed.scheduler import KilledWorker
 
 from workbench.cluster.announcements import requests_topic
-from workbench.cluster.membership import Roster
-from workbench.errors import ConfigError, DivergenceError
+from workbench.errors import DivergenceError
 from workbench.plane import checkpoint_format, kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
 from workbench.run import recovery, regroup
 from workbench.run.timeouts import TimeoutKeeper, in_force
-from workbench.run.launcher import FutureWatch, Group, LaunchOptions, check_batch_fits, launch, present_workers
-from workbench.strategies import get_strategy, make_settings
+from workbench.run.launcher import FutureWatch, Group, LaunchOptions, launch, present_workers
+from workbench.run.members import Members
 
 if TYPE_CHECKING:  # the handle imports this module: the type alone, no import cycle at run time
     from workbench.run.handle import Run
@@ -47,8 +47,7 @@ class Supervisor:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.group: Group | None = None  # the workers training now; set here only (`start_group`)
-        self.roster = Roster()
-        self.regroup_to: list[str] | None = None  # the workers to go on with once this group has stopped
+        self.members = Members(run)  # workers lost and joined, and the group to go on with
         self.recovering: int | None = None  # the group started after lost workers, until its phases are out
         self.timeouts = TimeoutKeeper()  # the measured timeout: proposed, put in force, said
         self.stalled_from: int | None = None  # the checkpoint step the last stalled group went on from
@@ -157,28 +156,29 @@ class Supervisor:
         watch = FutureWatch(futures)
         while not watch.wait(until_first_error=True, timeout=SUPERVISION_TICK_S):
             self.scheduler.check()
-            self._take_membership_changes()
-            if self.roster.lost & set(addresses):
+            self.members.take_changes()
+            if self.members.roster.lost & set(addresses):
                 break
             run.feed.publish_warnings()
             self._publish_recovery()
-            if run.status == "running" and self.regroup_to is None and run.checkpoints.due():
+            if run.status == "running" and self.members.regroup_to is None and run.checkpoints.due():
                 run.control.update(checkpoint_id=run.control.state.checkpoint_id + 1)
             self._follow_deadline()
-            if run.auto_pilot is not None and self.regroup_to is None:
+            if run.auto_pilot is not None and self.members.regroup_to is None:
                 run.auto_pilot.tick(run, time.monotonic())
-            if run.auto_join and self.roster.joined and self.regroup_to is None and run.status == "running":
-                self.add_workers(list(self.roster.joined), automatic=True)
-        if any(f.status == "error" for f in futures) or self.roster.lost & set(addresses):
+            members = self.members
+            if run.auto_join and members.roster.joined and members.regroup_to is None and run.status == "running":
+                members.add_workers(list(members.roster.joined), automatic=True)
+        if any(f.status == "error" for f in futures) or self.members.roster.lost & set(addresses):
             return self._after_failure(futures, addresses)
         results = [f.result() for f in futures]
         run.feed.wait_for_ranks(len(futures), timeout=5)
         final = results[0].get("checkpoint")
         if final is not None:
             run.checkpoints.store(final)
-        verdict = regroup.after_success(any(r["stopped"] for r in results), self.regroup_to, run.stop_requested)
+        verdict = regroup.after_success(any(r["stopped"] for r in results), self.members.regroup_to, run.stop_requested)
         if verdict.action == "regroup":
-            self.regroup_to = None
+            self.members.regroup_to = None
             run.control.update(stop=False, regroup=False, timeout_s=None)
             run.table.restart_waits()
             self._follow_deadline()
@@ -200,12 +200,13 @@ class Supervisor:
         tasks = [regroup.TaskEnd(address, future.done(), future.status == "error"
                                  and isinstance(future.exception(), KilledWorker))
                  for future, address in zip(futures, addresses)]
-        for address, reason in regroup.newly_lost(tasks, self.roster.lost, present, run.timeout_in_force_s).items():
-            self._record_lost(address, time.time(), reason)
+        roster = self.members.roster
+        for address, reason in regroup.newly_lost(tasks, roster.lost, present, run.timeout_in_force_s).items():
+            self.members.record_lost(address, time.time(), reason)
         unfinished = [f for f in futures if not f.done()]
         if unfinished:  # the lost workers' tasks (a nanny's restarted worker would wait for them), the stuck
             run.client.cancel(unfinished, force=True)
-        lost = self.roster.lost & set(addresses)
+        lost = self.members.roster.lost & set(addresses)
         checkpoint = run.checkpoints.latest
         from_step = checkpoint["step"] if checkpoint else 0
         # A stalled group goes on again only if it got further than the last stall went on from: a link
@@ -219,8 +220,8 @@ class Supervisor:
         # A lost worker (back under the same address it is a new one) and a join under way are given
         # back (below, once the regroup is announced; when the run ends here, all are): the survivors go
         # on (add workers again).
-        released = sorted(lost | set(self.regroup_to or []) - set(addresses))
-        self.regroup_to = None
+        released = sorted(lost | set(self.members.regroup_to or []) - set(addresses))
+        self.members.regroup_to = None
         info = run.checkpoints.info
         where = f"the last checkpoint (step {from_step}) is kept at {info['path']}" if info else \
             "no checkpoint was written yet"
@@ -274,8 +275,8 @@ class Supervisor:
         """
         until = time.monotonic() + self.run.timeout_in_force_s
         while True:
-            self._take_membership_changes()
-            waiting = [f for f, a in zip(futures, addresses) if a not in self.roster.lost and not f.done()]
+            self.members.take_changes()
+            waiting = [f for f, a in zip(futures, addresses) if a not in self.members.roster.lost and not f.done()]
             if not waiting or time.monotonic() >= until:
                 return
             FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, until - time.monotonic())))
@@ -331,63 +332,6 @@ class Supervisor:
             run.exports.close(run.status)
         if connected:
             run.announce(kinds.RUN_STATUS, samples_per_s=summary.get("samples_per_s"), error=run.error)
-
-    # --- membership: lost and joining workers ---------------------------------------------------------
-
-    def _take_membership_changes(self) -> None:
-        run = self.run
-        self.roster.take(run.worker_addresses, lambda address, when: self._publish_lost(address, when,
-                                                                                         "the scheduler removed the worker"),
-                         lambda address, when: run.feed.publish({"kind": kinds.WORKER_JOINED, "time": when,
-                                                                 "address": address, "added": run.auto_join}))
-
-    def _record_lost(self, address: str, when: float, reason: str) -> None:
-        self.roster.lost.add(address)
-        self._publish_lost(address, when, reason)
-
-    def _publish_lost(self, address: str, when: float, reason: str) -> None:
-        run = self.run
-        rank = run.worker_addresses.index(address)
-        last = run.table.last_steps().get(rank, {})
-        run.feed.publish({"kind": kinds.WORKER_LOST, "time": when, "rank": rank, "address": address,
-                          "generation": run.generation, "step": last.get("step"), "last_seen": last.get("time"),
-                          "reason": reason})
-
-    def add_workers(self, addresses: list[str] | None, automatic: bool) -> list[str]:
-        """Ask the group to stop at one step and go on with `addresses` added (default: every free
-        worker); refused (automatic: published as 'join-refused') when they are held or do not fit."""
-        run = self.run
-        present = present_workers(run.client)
-        if addresses is None:  # every free worker (those no other run holds)
-            addresses = run.placement.free_workers()
-        unknown = [a for a in addresses if a not in present]
-        if unknown and automatic:  # joined and left again
-            addresses = [a for a in addresses if a in present]
-        elif unknown:
-            raise ConfigError("addresses", unknown, "addresses of workers in the cluster", f"It has {present}")
-        new = [a for a in addresses if a not in run.worker_addresses]
-        self.roster.joined = [a for a in self.roster.joined if a not in addresses]
-        if not new:
-            return list(run.worker_addresses)
-        added = run.placement.grow(new)  # only workers no other run holds, and none while runs wait
-        try:
-            if len(added) < len(new):
-                held = [a for a in new if a not in added]
-                raise ConfigError("addresses", held, "free workers (no other run holds them)",
-                                  f"Held: {run.placement.held_by_others(held)}")
-            following = list(run.worker_addresses) + new
-            state = run.control.state
-            get_strategy(state.strategy).check_world(make_settings(state.strategy, state.settings), len(following))
-            check_batch_fits(run.prepared, len(following))
-        except ConfigError as error:
-            run.placement.give_back(added)
-            if not automatic:
-                raise
-            run.feed.publish({"kind": kinds.JOIN_REFUSED, "time": time.time(), "workers": new, "reason": str(error)})
-            return list(run.worker_addresses)
-        self.regroup_to = following
-        run.control.update(stop=True, regroup=True)
-        return following
 
 
 def _forget_kept(run: Run) -> None:
