@@ -452,13 +452,13 @@ def when_done(work: Any, callback: Callable[[Any], Any]) -> None:
     work.get_future().add_done_callback(callback)
 
 
-@_blocking
 def set_timeout(timeout_s: float) -> None:
     """The longest this rank's collectives wait for the others from now on (the run's timeout in force)."""
     if dist.is_initialized():
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
 
 
+@_blocking
 def wait(work: Any) -> None:
     """Wait for a collective started in the background."""
     work.wait()
