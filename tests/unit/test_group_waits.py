@@ -21,7 +21,3 @@ def test_waiting_for_a_collective_started_in_the_background_counts_as_waiting_on
     collectives.wait(work)
     assert work.counted == [1] and collectives._waiting == 0
 
-
-def test_setting_the_timeout_is_not_a_wait():
-    collectives.set_timeout(15.0)  # no group here: nothing to set, and nothing counted meanwhile
-    assert collectives._waiting == 0 and not collectives.break_process_group()

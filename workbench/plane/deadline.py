@@ -58,7 +58,7 @@ class WaitBook:
         self.steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.longest_exchange_s = 0.0
         self.measured = 0
-        self.exchanges = 0
+        self.exchanged = False  # the strategy's first exchange was measured
         self.longest_evaluation_s = 0.0  # whatever the strategy: rank 0's evaluations cost the same
         self.evaluations = 0
 
@@ -76,7 +76,7 @@ class WaitBook:
         self.steps.append(step)
         self.longest_exchange_s = max(self.longest_exchange_s, exchange)
         self.measured += 1
-        self.exchanges += any(record.get(field) is not None for field in ("exchange_s", "comm_total_s"))
+        self.exchanged = self.exchanged or any(record.get(f) is not None for f in ("exchange_s", "comm_total_s"))
 
     def restart(self, strategy: str | None = None) -> None:
         """Measure again (a switch, a regroup): what was measured says nothing of the new waits."""
@@ -84,12 +84,12 @@ class WaitBook:
         self.steps.clear()
         self.longest_exchange_s = 0.0
         self.measured = 0
-        self.exchanges = 0
+        self.exchanged = False
 
     def longest_wait_s(self) -> float | None:
         """The longest wait a peer should see now; None until MIN_STEPS records and one exchange were
         measured."""
-        if self.measured < MIN_STEPS or not self.exchanges:
+        if self.measured < MIN_STEPS or not self.exchanged:
             return None
         return max(max(self.steps, default=0.0), self.longest_exchange_s, self.longest_evaluation_s)
 

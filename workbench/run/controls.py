@@ -30,19 +30,17 @@ class RunControls:
 
     def pause(self) -> None:
         """Workers stop after their current step (at the next agreed step) until `resume()`."""
-        if self.status in ("created", "queued"):
-            self._require_running()
-        if not self.done:
-            self.control.update(paused=True)
-            if self.lifecycle.move("paused", only_from=("running", "paused")):
-                self.announce(kinds.RUN_STATUS)
+        self._set_paused(True)
 
     def resume(self) -> None:
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
         if self.status in ("created", "queued"):
             self._require_running()
         if not self.done:
-            self.control.update(paused=False)
-            if self.lifecycle.move("running", only_from=("running", "paused")):
+            self.control.update(paused=paused)
+            if self.lifecycle.move("paused" if paused else "running", only_from=("running", "paused")):
                 self.announce(kinds.RUN_STATUS)
 
     def stop(self) -> None:

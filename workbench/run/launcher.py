@@ -214,13 +214,13 @@ def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | N
     if checkpoint is None:
         return {}
     wanted = checkpoints.identity(checkpoint)
-    keeps = []
+    saved: dict[str, Any] = {}
     if holder in addresses:
         try:
-            keeps = [a for a, held in client.run(checkpoints.holds, run_id, wanted, workers=[holder]).items() if held]
+            if client.run(checkpoints.holds, run_id, wanted, workers=[holder])[holder]:
+                saved[holder] = checkpoints.KeptCheckpoint(run_id, wanted)
         except Exception:  # gone meanwhile: it is sent the checkpoint like every other worker
-            keeps = []
-    saved: dict[str, Any] = {a: checkpoints.KeptCheckpoint(run_id, wanted) for a in keeps}
+            pass
     rest = [a for a in addresses if a not in saved]
     if rest:
         scattered = client.scatter(checkpoint, workers=rest, broadcast=True, hash=False)
