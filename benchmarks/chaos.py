@@ -27,9 +27,10 @@ the finished chaos runs of their final held-out loss over the undisturbed run's.
 
 `--recovery` (issue 46, item 1: a lost worker costs at most 2 s from the fault to the first step after,
 under every strategy): the same job, one run per strategy with its defaults, on the embedded cluster (two
-local workers) and on the lab with its links at 100 Mbit/s; once the run has a checkpoint, the worker of
-its last rank is killed (in a second run, its first rank's: the worker that keeps the last checkpoint), and
-the run's `recovered` event says the recovery's phases. Computed: `recovery_worst_s` (the longest over
+local workers) and on the lab with its links at 100 Mbit/s; once every worker keeps the run's checkpoint
+in memory (rank 0's took it, the others were sent it), the worker of its last rank is killed (in a second
+run, its first rank's: the one the checkpoints are taken from), and the run's `recovered` event says the
+recovery's phases. Computed: `recovery_worst_s` (the longest over
 every strategy, both places and both ranks), the same per rank killed, and `recovery_target_met` (<= 2 s);
 written to `chaos-recovery.json`.
 """
@@ -266,8 +267,8 @@ def recovery_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
     headline = {"recovery_worst_s": max(totals) if totals else None,
                 "recovery_median_s": statistics.median(totals) if totals else None,
                 "recovery_target_met": complete and max(totals) <= RECOVERY_TARGET_S}
-    # Which rank was lost matters: rank 0's worker keeps the last checkpoint (it was taken there), so the
-    # group after its loss is sent the checkpoint; after another's it starts from rank 0's own copy.
+    # Which rank was lost may matter: checkpoints are taken on rank 0's worker, and the others keep the copy
+    # the client sends them, so a loss during that sending meets a survivor without it.
     for killed in sorted({c["killed_rank"] for c in cells if "killed_rank" in c}):
         mine = [c["total_s"] for c in cells if c.get("killed_rank") == killed and c.get("total_s") is not None]
         headline[f"recovery_worst_s_{killed}_rank_killed"] = max(mine) if mine else None
@@ -278,7 +279,9 @@ VICTIMS = {"last": -1, "first": 0}  # which rank's worker a --recovery run loses
 
 
 def recover_once(client: Any, scratch: Path, strategy: str, steps: int, killed_rank: str) -> dict[str, Any]:
-    """One run of `strategy`, its first or last rank's worker killed once the run has a checkpoint."""
+    """One run of `strategy`, its first or last rank's worker killed once the run has a checkpoint that every
+    worker keeps (the client sends each to the others as it is written: the state a fault meets between
+    checkpoints)."""
     import workbench
     from fidelity import MODEL, job_fields, text_data
 
@@ -286,7 +289,11 @@ def recover_once(client: Any, scratch: Path, strategy: str, steps: int, killed_r
     run = workbench.train(job, strategy, client=client, run_dir=scratch / "runs", checkpoint_every_s=None,
                           checkpoint_every_steps=CHECKPOINT_EVERY // 2)
     deadline = time.monotonic() + 600
-    while run.checkpoint_info is None and not run.done and time.monotonic() < deadline:
+    def kept_everywhere() -> bool:
+        info = run.checkpoint_info
+        return info is not None and len(info.get("kept_on", ())) == len(run.worker_addresses)
+
+    while not kept_everywhere() and not run.done and time.monotonic() < deadline:
         time.sleep(0.2)
     victim = run.worker_addresses[VICTIMS[killed_rank]]
     killed = time.time()

@@ -231,3 +231,78 @@ def test_the_checkpoint_the_client_took_is_kept_for_the_next_group_as_a_copy_unt
     assert not checkpoints.holds("run-k", (0, 80, 2.0))
     with pytest.raises(workbench.WorkbenchError, match="run-k at step 80 that this worker kept is gone"):
         checkpoints.KeptCheckpoint("run-k", (0, 80, 2.0)).resolve()
+
+
+def test_a_checkpoint_sent_to_keep_is_kept_unless_a_newer_one_is():
+    older = {"step": 40, "generation": 0, "time": 1.0, "weights": {}}
+    newer = {"step": 80, "generation": 0, "time": 2.0, "weights": {}}
+    regrouped = {"step": 60, "generation": 1, "time": 3.0, "weights": {}}
+    assert checkpoints.keep_copy("run-c", newer) and checkpoints.holds("run-c", checkpoints.identity(newer))
+    # One sent late (a slow link) does not replace a newer one the worker took itself or was sent.
+    assert not checkpoints.keep_copy("run-c", older) and checkpoints.holds("run-c", checkpoints.identity(newer))
+    # A later group's checkpoint is newer whatever its step (the group after a regroup restarts from one).
+    assert checkpoints.keep_copy("run-c", regrouped) and checkpoints.holds("run-c", (1, 60, 3.0))
+    checkpoints.forget("run-c")
+    assert not checkpoints.holds("run-c", (1, 60, 3.0))
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+    def release(self):
+        pass
+
+
+class _ClientWhoseSendsHang:
+    """Hands out the checkpoints rank 0 left; sending one to the other workers hangs until `unblock`."""
+
+    def __init__(self, snapshots):
+        self.snapshots, self.unblock, self.sends = list(snapshots), threading.Event(), []
+
+    def submit(self, function, *args, **kwargs):
+        if function is checkpoints.take_snapshot:
+            return _Done(self.snapshots.pop(0))
+        return _Done(function(*(a.value if isinstance(a, _Done) else a for a in args)))  # keep_copy, run here
+
+    def scatter(self, data, workers, **kwargs):
+        self.sends.append((data[0]["step"], list(workers)))
+        self.unblock.wait(kwargs["timeout"])
+        return [_Done(data[0])]
+
+    def run(self, *args, **kwargs):
+        return {}
+
+
+def test_a_send_to_the_other_workers_never_holds_up_the_next_checkpoint(tmp_path):
+    """Rank 0 waits for the client to fetch each checkpoint: a send that hangs (a worker lost meanwhile)
+    must not delay the next fetch, and the copy newest when the send ends is the one sent next."""
+    from workbench.run.checkpoints import CheckpointStore
+
+    taken = [{"step": s, "generation": 0, "time": float(s), "weights": {"w": torch.ones(1)}} for s in (10, 20, 30)]
+    client, store = _ClientWhoseSendsHang(taken), CheckpointStore(None, None)
+    store.open(tmp_path, lambda message: None)
+    writer = threading.Thread(target=store.write_ready, daemon=True,
+                              args=(client, "run-s", 30.0, lambda: (0, ["tcp://rank0", "tcp://rank1"])))
+    writer.start()
+    for step in (10, 20, 30):
+        store.ready({"generation": 0, "step": step})
+        deadline = time.monotonic() + 10  # fetched and written at once, while the first send still hangs
+        while (store.info is None or store.info["step"] != step) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.info["step"] == step and store.info["kept_on"] == ["tcp://rank0"]
+    assert client.sends == [(10, ["tcp://rank1"])]
+    client.unblock.set()  # the hung send ends: 20 was replaced meanwhile, 30 is sent and kept there
+    deadline = time.monotonic() + 10
+    while store.info["kept_on"] != ["tcp://rank0", "tcp://rank1"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.sends == [(10, ["tcp://rank1"]), (30, ["tcp://rank1"])]
+    assert store.info["kept_on"] == ["tcp://rank0", "tcp://rank1"] and store.kept_by == {"tcp://rank0", "tcp://rank1"}
+    assert checkpoints.holds("run-s", checkpoints.identity(taken[2]))
+    store.close()
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    checkpoints.forget("run-s")

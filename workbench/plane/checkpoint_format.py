@@ -15,7 +15,7 @@ run directory atomically (temporary file, then rename):
 - `world_size`, `generation` (how many times the workers were regrouped), `time`.
 
 Pure functions here are unit-tested; the snapshot store below is the worker-side hand-over point, and
-what a worker keeps of the last one the client took (`KeptCheckpoint`).
+what a worker keeps of the last one the client took or sent it (`KeptCheckpoint`).
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ from workbench.plane.rundir import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
 JOB_FILE = "job.pkl"
+
+
+def age(checkpoint: dict[str, Any]) -> tuple[int, int, bool]:
+    """Orders checkpoints of one run: later groups, then later steps, then a group's final one."""
+    return checkpoint.get("generation", -1), checkpoint["step"], bool(checkpoint.get("final"))
 
 
 def data_position(step: int, steps_per_epoch: int) -> tuple[int, int]:
@@ -110,9 +115,10 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 _snapshots: dict[str, dict[str, Any]] = {}
 _snapshots_lock = threading.Lock()
 _fetched = threading.Condition(_snapshots_lock)  # notified when the client takes one
-# Per run, the last checkpoint the client took from this worker, kept: if this worker survives a loss, the
-# next group's rank here starts from it without the checkpoint crossing the link again (on the lab at
-# 100 Mbit/s, sending gpt-mini's weights and AdamW state was 0.9-1.2 s of a 1.6-2.2 s recovery).
+# Per run, the last checkpoint the client took from this worker or sent it (`keep_copy`), kept: if this
+# worker survives a loss, the next group's rank here starts from it without the checkpoint crossing the link
+# again (on the lab at 100 Mbit/s, sending gpt-mini's weights and AdamW state was 0.9-1.2 s of a 1.6-2.2 s
+# recovery).
 _kept: dict[str, dict[str, Any]] = {}
 
 
@@ -144,6 +150,18 @@ def holds(run_id: str, wanted: tuple[Any, ...]) -> bool:
     with _snapshots_lock:
         kept = _kept.get(run_id)
     return kept is not None and identity(kept) == wanted
+
+
+def keep_copy(run_id: str, checkpoint: dict[str, Any]) -> bool:
+    """A Dask task the client runs on the group's other workers once it has a checkpoint: keep it here too
+    (unless this worker keeps a newer one), so that if rank 0's worker is lost the survivors start the next
+    group from their own memory. True when it is kept."""
+    with _snapshots_lock:
+        kept = _kept.get(run_id)
+        if kept is not None and age(kept) > age(checkpoint):
+            return False
+        _kept[run_id] = checkpoint
+        return True
 
 
 def forget(run_id: str) -> None:

@@ -298,11 +298,11 @@ class Run(RunControls, RunViews):
         self.lifecycle.move("running")
         self.announce(kinds.RUN_REGISTERED, **json.loads(json.dumps(self.config, default=str)))
         threading.Thread(target=self.checkpoints.write_ready, name=f"workbench-checkpoints-{self.run_id}",
-                         args=(client, self.run_id, self.timeout_in_force_s, self._rank_zero), daemon=True).start()
+                         args=(client, self.run_id, self.timeout_in_force_s, self._group_now), daemon=True).start()
 
-    def _rank_zero(self) -> tuple[int, str | None]:
-        """The group training now and its rank 0's address (None before any)."""
-        return self.generation, self.worker_addresses[0] if self.group and self.group.futures else None
+    def _group_now(self) -> tuple[int, list[str]]:
+        """The group training now and its workers' addresses, rank 0 first (none before any)."""
+        return self.generation, list(self.worker_addresses) if self.group and self.group.futures else []
 
     def _save_job(self) -> None:
         """The job beside its checkpoint, so that `resume(run_dir)` needs nothing else (when it fits)."""

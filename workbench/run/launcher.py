@@ -159,10 +159,10 @@ def rescaled_step(checkpoint: dict[str, Any], world_size: int, steps_per_epoch: 
 
 def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState, addresses: list[str],
            checkpoint: dict[str, Any] | None, generation: int, options: LaunchOptions,
-           holder: str | None = None) -> Group:
+           kept_by: set[str] | frozenset[str] = frozenset()) -> Group:
     """Start group `generation` on `addresses` from `checkpoint` (or the job's initial weights), with the
-    run's current learning rate, strategy and settings (`state`). `holder`: a worker that may keep
-    `checkpoint` in memory already (it was taken from there): if it does, it is not sent there again."""
+    run's current learning rate, strategy and settings (`state`). `kept_by`: workers that may keep
+    `checkpoint` in memory already (taken from there, or sent there): where one does, it is not sent again."""
     world_size = len(addresses)
     train_payload, shard_samples, local = _place_training_data(client, prepared.train, addresses)
     check_batch_fits_shard(prepared.job.batch_size, shard_samples, world_size)
@@ -174,7 +174,7 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     ranks = (checkpoint or {}).get("ranks") or []
     same_world = len(ranks) == world_size
     steps_per_epoch = shard_samples // prepared.job.batch_size
-    saved = _send_checkpoint(client, options.run_id, checkpoint, holder, addresses)
+    saved = _send_checkpoint(client, options.run_id, checkpoint, kept_by, addresses)
     # Every run has a process group (see worker/loop.py), on a port free on rank 0's machine.
     host = get_address_host(addresses[0])
     port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
@@ -207,19 +207,20 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     return Group(generation, list(addresses), futures, total_steps, shard_samples, min(starts))
 
 
-def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | None, holder: str | None,
+def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | None, kept_by: set[str] | frozenset[str],
                      addresses: list[str]) -> dict[str, Any]:
-    """Per worker, what it starts from: a reference to the checkpoint where it keeps it (`holder`, asked
+    """Per worker, what it starts from: a reference to the checkpoint where it keeps it (`kept_by`, asked
     first: a worker restarted under the same address keeps nothing), else the checkpoint, scattered once."""
     if checkpoint is None:
         return {}
     wanted = checkpoints.identity(checkpoint)
     saved: dict[str, Any] = {}
-    if holder in addresses:
+    asked = [a for a in addresses if a in kept_by]
+    if asked:
         try:
-            if client.run(checkpoints.holds, run_id, wanted, workers=[holder])[holder]:
-                saved[holder] = checkpoints.KeptCheckpoint(run_id, wanted)
-        except Exception:  # gone meanwhile: it is sent the checkpoint like every other worker
+            answers = client.run(checkpoints.holds, run_id, wanted, workers=asked, on_error="return")
+            saved.update({a: checkpoints.KeptCheckpoint(run_id, wanted) for a in asked if answers.get(a) is True})
+        except Exception:  # gone meanwhile: they are sent the checkpoint like every other worker
             pass
     rest = [a for a in addresses if a not in saved]
     if rest:

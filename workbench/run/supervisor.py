@@ -69,8 +69,8 @@ class Supervisor:
         options = LaunchOptions(run.run_id, in_force(None, run.collective_timeout_s),
                                 run.checkpoint_every_steps, run.step_delays, run.sample_delays)
         run.feed.new_generation(generation)
-        holder = run.checkpoints.holder if checkpoint is not None and checkpoint is run.checkpoints.latest else None
-        group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options, holder)
+        kept_by = set(run.checkpoints.kept_by) if checkpoint is not None and checkpoint is run.checkpoints.latest else set()
+        group = launch(run.client, run.prepared, run.job, state, addresses, checkpoint, generation, options, kept_by)
         self.group = group
         run.checkpoints.restart_timer()
         run.feed.publish({"kind": kinds.GENERATION_STARTED, "time": time.time(), "generation": generation,
@@ -337,7 +337,7 @@ class Supervisor:
 def _forget_kept(run: Run) -> None:
     """The checkpoints workers kept for the run's next group go from their memory. On a thread of its
     own: a worker behind a cut link would hold the run's end for Dask's connect timeout."""
-    holders = sorted(run.checkpoints.holders)
+    holders = run.checkpoints.all_holders()
     if not holders:
         return
 

@@ -169,7 +169,8 @@ class RunViews:
 
     @property
     def checkpoint_info(self) -> dict[str, Any] | None:
-        """The newest checkpoint written: step, path, time, generation."""
+        """The newest checkpoint written: step, path, time, generation, and the workers that keep it in
+        memory (`kept_on`: a regroup starts there without sending it)."""
         return self.checkpoints.info
 
     @property
