@@ -371,8 +371,8 @@ def main() -> None:
     if arguments.recovery:
         document["settings"] = {"job": "fidelity's (gpt-mini on stdlib-text)", "steps": arguments.recovery_steps,
                                 "strategies": RECOVERY_STRATEGIES, "checkpoint_every_steps": CHECKPOINT_EVERY // 2,
-                                "killed": "the last rank's worker, then (another run) the first's, once the run "
-                                          "has a checkpoint",
+                                "killed": "the last rank's worker, then (another run) the first's, once every "
+                                          "worker keeps a checkpoint",
                                 "places": ["embedded: 2 local workers", "lab: 2 worker hosts, links at 100 Mbit/s"],
                                 "target_s": RECOVERY_TARGET_S}
         recovery(arguments, out, document)
