@@ -111,3 +111,15 @@ def test_a_runs_config_says_how_its_timeout_is_decided():
     assert deadline.policy(10.0) == {"how": "set", "timeout_s": 10.0}
     measured = deadline.policy(None)
     assert measured["how"] == "measured" and (measured["floor_s"], measured["ceiling_s"]) == (FLOOR_S, CEILING_S)
+
+
+@pytest.mark.parametrize("in_force,longest,silent,expected", [
+    (60.0, None, 60.0, 60.0),  # nothing measured: the whole timeout, as before
+    (15.0, 0.01, 15.5, 5.0),  # silent a whole timeout, steps of milliseconds: the floor
+    (60.0, 4.0, 61.0, 12.0),  # three of the longest waits
+    (30.0, 20.0, 31.0, 30.0),  # never more than the timeout in force
+    (15.0, 0.01, 0.6, 15.0),  # it stepped until the fault (a survivor blocked on a lost peer): the whole timeout
+])
+def test_a_worker_told_to_leave_gets_a_few_of_its_longest_waits_only_if_silent_a_whole_timeout(in_force, longest,
+                                                                                            silent, expected):
+    assert deadline.leave_within(in_force, longest, silent) == pytest.approx(expected)

@@ -35,11 +35,28 @@ UNMEASURED_S = 60.0  # until MIN_STEPS steps of the running strategy were measur
 MIN_STEPS = 8  # step records of the running strategy before the first measured timeout
 WINDOW = 256  # step records over which the longest step is judged
 LOWER_BELOW = 0.5  # a measured timeout under this share of the one in force replaces it
+LEAVE_HEADROOM = 3.0  # a worker told to leave does so within this many of its longest measured waits...
+LEAVE_FLOOR_S = 5.0  # ...or this, whichever is longer (leaving a group took 0.05-0.9 s in benchmarks/chaos.py)
 
 
 def timeout_for(longest_wait_s: float) -> float:
     """The timeout a run whose longest measured wait is `longest_wait_s` should have."""
     return min(CEILING_S, max(FLOOR_S, HEADROOM * longest_wait_s))
+
+
+def leave_within(in_force_s: float, longest_wait_s: float | None, silent_s: float) -> float:
+    """How long the client waits, once it has ended a group, for a worker not known lost to leave before it
+    counts the worker as stuck. `silent_s`: how long the worker has made no step.
+
+    A worker silent for a whole timeout already (a stuck one: its peers gave up on it after that timeout)
+    gets a few of its longest measured waits: it would leave at its next step or as its blocked collective
+    is broken (`comm/collectives.py`), so it is found after one timeout and this, not after two. Any other
+    worker (it stepped until the fault) gets the whole timeout in force, as does every worker while nothing
+    was measured: a survivor still blocked on a lost peer is not stuck in its own code, and calling it lost
+    would end a run that can go on."""
+    if longest_wait_s is None or silent_s < in_force_s:
+        return in_force_s
+    return min(in_force_s, max(LEAVE_FLOOR_S, LEAVE_HEADROOM * longest_wait_s))
 
 
 def wait_of(record: dict[str, Any]) -> tuple[float, float]:

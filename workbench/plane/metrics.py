@@ -262,6 +262,11 @@ class MetricsTable:
         with self._lock:
             return self._waits.propose(in_force_s, strategy, evaluates), self._waits.longest_wait_s()
 
+    def longest_wait_s(self) -> float | None:
+        """The longest wait on a peer measured under the running strategy (None before enough records)."""
+        with self._lock:
+            return self._waits.longest_wait_s()
+
     def restart_waits(self) -> None:
         """A new group of workers: its waits are measured afresh."""
         with self._lock:

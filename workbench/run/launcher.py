@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -64,6 +65,7 @@ class Group:
     total_steps: int
     shard_samples: int
     start_step: int  # the smallest any rank starts from
+    started: float = dataclasses.field(default_factory=time.time)  # when it was launched (wall clock)
 
 
 @dataclasses.dataclass

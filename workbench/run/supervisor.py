@@ -22,7 +22,7 @@ from distributed.scheduler import KilledWorker
 
 from workbench.cluster.announcements import requests_topic
 from workbench.errors import DivergenceError
-from workbench.plane import checkpoint_format, kinds
+from workbench.plane import checkpoint_format, deadline, kinds
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import SUMMARY_FILE
 from workbench.run import recovery, regroup
@@ -193,8 +193,9 @@ class Supervisor:
         """A worker failed or was lost: end the group; go on with the survivors if workers were lost."""
         run = self.run
         self.end_group()
-        # Workers leave at their next step or as their peers' connections close; one still busy after a
-        # whole timeout more is stuck (in user code, say) and counts as lost.
+        # Workers leave at their next step or as their blocked collective is broken; one still busy after
+        # that (`deadline.leave_within`: a whole timeout, or a few of its longest waits for one silent that
+        # long already) is stuck (in user code, say) and counts as lost.
         self._wait_for_survivors(futures, addresses)
         present = set(present_workers(run.client))
         tasks = [regroup.TaskEnd(address, future.done(), future.status == "error"
@@ -267,19 +268,27 @@ class Supervisor:
             run.feed.publish({"kind": kinds.RECOVERED, "time": time.time(), **done[0]})
 
     def _wait_for_survivors(self, futures: list[Any], addresses: list[str]) -> None:
-        """Wait until every worker not known lost has left (at most one collective timeout).
+        """Wait until every worker not known lost has left (each at most `deadline.leave_within`: one
+        collective timeout, or a few of its longest measured waits for a worker silent that long already).
 
         Not for the lost ones: their tasks may never end (a `dask worker` nanny restarts the process under
         a new address, and the scheduler keeps the task for the old one), and waiting for them held every
         regroup back by the whole timeout.
         """
-        until = time.monotonic() + self.run.timeout_in_force_s
+        run, now, started = self.run, time.time(), time.monotonic()
+        in_force, longest, last_steps = run.timeout_in_force_s, run.table.longest_wait_s(), run.table.last_steps()
+        group_start = self.group.started if self.group is not None else now
+        until = {}
+        for rank, address in enumerate(addresses):  # silent since its last step in this group, or its start
+            silent = now - max(group_start, (last_steps.get(rank) or {}).get("time", group_start))
+            until[address] = started + deadline.leave_within(in_force, longest, silent)
         while True:
             self.members.take_changes()
-            waiting = [f for f, a in zip(futures, addresses) if a not in self.members.roster.lost and not f.done()]
-            if not waiting or time.monotonic() >= until:
+            waiting = [(f, a) for f, a in zip(futures, addresses) if a not in self.members.roster.lost and not f.done()]
+            left = max((until[a] - time.monotonic() for _, a in waiting), default=0.0)
+            if left <= 0:
                 return
-            FutureWatch(waiting).wait(timeout=min(SUPERVISION_TICK_S, max(0.0, until - time.monotonic())))
+            FutureWatch([f for f, _ in waiting]).wait(timeout=min(SUPERVISION_TICK_S, left))
 
     def end_group(self) -> None:
         """Tell every worker of the current group to leave at once (no final synchronisation)."""
