@@ -11,13 +11,12 @@ The last line printed is one JSON object with the ratios (throughput with checkp
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import tempfile
-from pathlib import Path
+from typing import Any
 
+import resultfile
 import workbench
 from workbench.data import synthetic
 
@@ -43,7 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, nargs="+", default=[50, 10])
     parser.add_argument("--strategies", nargs="+", default=["allreduce", "async"])
-    parser.add_argument("--out", default=None, help="write the result JSON here too")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/checkpoint-cost.json)")
     arguments = parser.parse_args()
     client = workbench.connect(workers=arguments.workers, dashboard_address=":0")
     conditions = [None, *arguments.every]
@@ -61,18 +60,21 @@ def main() -> None:
                         print(f"{strategy} every={every}: {rate:,.0f} samples/s, {count} checkpoints", flush=True)
     finally:
         workbench.shutdown(client)
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.node()}",
-              "workers": arguments.workers, "steps": arguments.steps, "repeats": arguments.repeats, "ratios": {}}
+    result: dict[str, Any] = {}
     for strategy in arguments.strategies:
         base = statistics.median(rates[(strategy, None)])
         for every in arguments.every:
-            key = f"{strategy}_every_{every}_vs_none"
-            result["ratios"][key] = round(statistics.median(rates[(strategy, every)]) / base, 3)
-            result["ratios"][f"{strategy}_every_{every}_checkpoints"] = written[(strategy, every)]
-    if arguments.out:
-        Path(arguments.out).write_text(json.dumps(result, indent=2) + "\n")
+            result[f"{strategy}_every_{every}_vs_none"] = statistics.median(rates[(strategy, every)]) / base
+    result["worst_slowdown"] = 1 - min(result.values())
     print(json.dumps(result))
-
+    document = resultfile.document("checkpoint-cost", {
+        "workers": arguments.workers, "steps": arguments.steps, "repeats": arguments.repeats,
+        "every": arguments.every, "strategies": arguments.strategies, "job": "digits MLP (train_once)"})
+    document["cells"] = [{"strategy": strategy, "every": every, "samples_per_s": values,
+                          "median": statistics.median(values), "checkpoints": written[(strategy, every)]}
+                         for (strategy, every), values in rates.items()]
+    document.update(result)
+    resultfile.write(arguments.out or resultfile.path_for("checkpoint-cost"), document)
 
 if __name__ == "__main__":
     main()

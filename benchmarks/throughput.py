@@ -7,7 +7,8 @@ all), DDP over gloo launched with torch.multiprocessing, then on one Dask cluste
 worker and with N workers under each strategy setting. Repetitions interleave; medians are reported,
 against the plain loop and against the limit (on a 2-core VM whose two-process speed-up moves between
 1.6x and 2x from one hour to the next, the ratio to the limit is what stays put). The last line printed
-is one JSON object with the ratios.
+is one JSON object with the ratios; the result file (`resultfile.path_for("throughput")`, or `--out`) holds
+every repetition's rate per configuration and the same ratios.
 
 The parameter-server strategies (async with push_every 1 and 4, ssp with max_staleness 2, easgd, and
 async with top-k 1% compression both ways, and with dense replies) also report bytes sent and received
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import resultfile
 import workbench
 from workbench.data import synthetic
 
@@ -152,7 +154,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="run only the workbench configurations whose name has this")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: a transformer in bf16 on the GPU (throughput_cuda.py), else the CPU MLP")
-    parser.add_argument("--out", default=None, help="(cuda) where to save the JSON result")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/throughput.json)")
     arguments = parser.parse_args()
     if arguments.device == "cuda":
         import throughput_cuda
@@ -199,9 +201,6 @@ def main() -> None:
         hidden = f"{extra['comm_hidden']:.0%}" if extra.get("comm_hidden") is not None else ""
         print(f"{name:<36}{value:>12,.0f}{value / plain:>10.2f}{value / medians[limit]:>10.2f}{kib:>10}{received:>10}{stale:>10}{hidden:>8}")
     result = {
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-        "date": datetime.date.today().isoformat(),
-        "workers": n,
         "ddp_vs_plain": medians[f"ddp x{n}"] / plain,
         "limit_vs_plain": medians[limit] / plain,
         "ddp_vs_limit": medians[f"ddp x{n}"] / medians[limit],
@@ -229,6 +228,14 @@ def main() -> None:
             result["compression_received_bytes_ratio"] = dense["received_per_step"] / sparse["received_per_step"]
     result = {k: v for k, v in result.items() if v is not None}
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    document = resultfile.document("throughput", {
+        "model": "MLP 784-1024-1024-10", "data": "synthetic", "batch_per_worker": BATCH, "workers": n,
+        "repeats": arguments.repeats, "steps": arguments.steps, "only": arguments.only,
+        "limit": limit, "plain": "one process, the same loop", "ddp": f"ddp x{n}"})
+    document["cells"] = {name: {"samples_per_s": values, "median": medians[name], **extras.get(name, {})}
+                         for name, values in samples.items()}
+    document.update(result)
+    resultfile.write(arguments.out or resultfile.path_for("throughput"), document)
 
 
 def _key(name: str) -> str:

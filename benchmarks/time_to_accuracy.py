@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import resultfile
 import workbench
 from workbench.comm.collectives import find_free_port
 from workbench.data import digits
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/time-to-accuracy.json)")
     arguments = parser.parse_args()
     seconds: dict[str, list[float]] = {name: [] for name in ["ddp"] + [s for s, _ in STRATEGIES]}
     steps: dict[str, list[int]] = {name: [] for name in seconds}
@@ -139,12 +141,24 @@ def main() -> None:
                   f"{statistics.median(steps[name]):>7.0f}{len(seconds[name]):>6}/{arguments.repeats}")
         else:
             print(f"{name:<16}{'not reached':>9}")
-    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}", "date": datetime.date.today().isoformat(),
-              "target": arguments.target,
-              **{f"{k.replace(' ', '_').replace('%', 'pct')}_seconds": round(v, 3) for k, v in medians.items()},
-              **{f"{k.replace(' ', '_').replace('%', 'pct')}_vs_ddp": round(v / medians["ddp"], 3)
-                 for k, v in medians.items() if "ddp" in medians}}
+    result = {**{f"{_key(k)}_s": v for k, v in medians.items()},
+              **{f"{_key(k)}_vs_ddp": v / medians["ddp"] for k, v in medians.items() if "ddp" in medians}}
+    result["best_vs_ddp"] = min((v for k, v in result.items() if k.endswith("_vs_ddp") and k != "ddp_vs_ddp"),
+                                default=None)
     print(json.dumps(result))
+    document = resultfile.document("time-to-accuracy", {
+        "target_accuracy": arguments.target, "data": "digits", "workers": 2, "model": "MLP 64-128-10",
+        "optimizer": f"SGD lr {LR} momentum {MOMENTUM}", "batch_per_worker": BATCH, "repeats": arguments.repeats,
+        "eval_every": arguments.eval_every})
+    document["cells"] = {name: {"seconds": seconds[name], "steps": steps[name], "median_s": medians.get(name),
+                                "reached": f"{len(seconds[name])}/{arguments.repeats}"} for name in seconds}
+    document.update(result)
+    resultfile.write(arguments.out or resultfile.path_for("time-to-accuracy"), document)
+
+
+def _key(name: str) -> str:
+    """'async topk1%' -> 'async_topk1pct' (a JSON-friendly key per configuration)."""
+    return name.replace(" ", "_").replace("%", "pct")
 
 
 if __name__ == "__main__":

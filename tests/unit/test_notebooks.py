@@ -9,7 +9,7 @@ import nbformat
 from helpers import notebook_expectations
 
 NOTEBOOKS, EXPECTED_OUTPUT = notebook_expectations()
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_every_notebook_is_covered_and_stored_executed_with_pictures():
@@ -27,5 +27,5 @@ def test_every_notebook_is_covered_and_stored_executed_with_pictures():
             assert "../docs/dashboard.png" in "".join(cell.source for cell in notebook.cells)
         else:
             assert images, f"{path.name} shows no static figure"
-    figure = README.parent / "docs" / "strategy-comparison.png"
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "docs/strategy-comparison.png" in README.read_text()
+    figure = DOCS / "strategy-comparison.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](strategy-comparison.png)" in (DOCS / "strategies.md").read_text()

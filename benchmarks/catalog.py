@@ -1,0 +1,71 @@
+"""Every benchmark by name: its script and arguments, the suites it belongs to, what it needs, and the
+headline keys its result file must hold (checked by tests/unit/test_benchmark_pages.py).
+
+Suites: `quick` (minutes, a smoke test of the scripts: written to `benchmarks/scratch/`, never read),
+`cpu` (this machine alone), `lab` (emulated hosts: root, `ip` and `tc`), `gpu` (a CUDA device).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+SUITES = ("quick", "cpu", "lab", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str  # the result file's name: results/<machine class>/<name>.json
+    title: str
+    script: str  # under benchmarks/
+    args: tuple[str, ...] = ()
+    suites: tuple[str, ...] = ("cpu",)
+    headline: tuple[str, ...] = ()  # keys computed by the script, shown first on the page
+    quick_args: tuple[str, ...] | None = None  # the `quick` suite's arguments (None: not in it)
+    columns: tuple[str, ...] = ()  # the cells' columns shown on the page (dotted for nested ones)
+    needs: str = ""  # "lab" (root, ip, tc) or "gpu"
+
+
+BENCHMARKS = (
+    Benchmark("throughput", "Throughput against a plain loop, PyTorch DDP and the machine's limit",
+              "throughput.py", headline=("allreduce_vs_ddp", "ddp_vs_limit", "one_worker_vs_plain",
+                                         "average_vs_plain", "async_vs_plain", "compression_bytes_ratio"),
+              quick_args=("--repeats", "1", "--steps", "20", "--only", "allreduce"),
+              columns=("median", "bytes_per_step", "staleness_mean", "comm_hidden")),
+    Benchmark("time-to-accuracy", "Wall time to a held-out accuracy on digits, every strategy and DDP",
+              "time_to_accuracy.py", headline=("ddp_s", "allreduce_vs_ddp", "best_vs_ddp"),
+              quick_args=("--repeats", "1")),
+    Benchmark("checkpoint-cost", "What checkpoints cost in throughput", "checkpoint_cost.py",
+              headline=("worst_slowdown", "allreduce_every_10_vs_none", "async_every_10_vs_none"), quick_args=("--repeats", "1", "--steps", "60")),
+    Benchmark("fidelity", "Quality on the real workload: the character-level GPT on emulated hosts",
+              "fidelity.py", suites=("lab",), needs="lab",
+              headline=("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
+                        "auto_time_to_target_vs_best_fixed")),
+    Benchmark("fidelity-balance", "Uneven workers: balanced synchronous training on a slow host",
+              "fidelity.py", args=("--balance",), suites=("lab",), needs="lab",
+              headline=("balanced_share_of_capacity", "balanced_share_of_capacity_quarter")),
+    Benchmark("fidelity-thin", "Thin links: the sparse, quantised outer exchange at 20 and 10 Mbit/s",
+              "fidelity.py", args=("--thin",), suites=("lab",), needs="lab",
+              headline=("best_at_10mbit", "best_retention_10mbit", "sync_gap_10mbit", "sparse_bytes_ratio",
+                        "targets_met_10mbit")),
+    Benchmark("chaos", "Chaos: the real workload under auto while faults come at random times",
+              "chaos.py", suites=("lab",), needs="lab",
+              headline=("faults_injected", "runs_finished", "records_lost", "median_s_lost_per_fault",
+                        "worst_s_lost_per_fault", "held_out_loss_vs_undisturbed"),
+              columns=("kind", "host", "at_s", "pause_s", "rewound_steps", "lost_s")),
+    Benchmark("chaos-recovery", "Recovery from a lost worker, phase by phase, under every strategy",
+              "chaos.py", args=("--recovery",), suites=("lab",), needs="lab",
+              headline=("recovery_worst_s", "recovery_median_s", "recovery_target_met",
+                        "recovery_worst_s_last_rank_killed", "recovery_worst_s_first_rank_killed"),
+              columns=("place", "strategy", "killed_rank", "status", "checkpoint", "total_s", "phases_s.detected",
+                       "phases_s.agreed", "phases_s.restored", "phases_s.first_step")),
+)
+
+BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}
+
+
+def in_suite(suite: str) -> list[Benchmark]:
+    """The benchmarks a suite runs (`quick`: those with quick arguments, on any machine)."""
+    if suite not in SUITES:
+        raise ValueError(f"suite {suite!r}: one of {', '.join(SUITES)}")
+    if suite == "quick":
+        return [b for b in BENCHMARKS if b.quick_args is not None]
+    return [b for b in BENCHMARKS if suite in b.suites]

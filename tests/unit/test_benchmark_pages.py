@@ -1,0 +1,55 @@
+"""The benchmarks' page and result files (benchmarks/pages.py, catalog.py, resultfile.py): the page says
+what the files say, every current file holds its provenance and headline keys, and a result without its
+provenance is never written."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import catalog  # noqa: E402
+import pages  # noqa: E402
+import resultfile  # noqa: E402
+
+
+def test_the_benchmarks_page_is_what_the_result_files_say():
+    assert pages.PAGE.read_text() == pages.render(), \
+        "docs/benchmarks.md is out of date with benchmarks/results/: run python -m benchmarks render"
+
+
+def test_every_current_result_file_is_a_benchmarks_and_holds_its_keys():
+    assert pages.problems() == []
+
+
+def test_the_catalog_names_each_benchmark_once_with_a_script_that_exists():
+    names = [b.name for b in catalog.BENCHMARKS]
+    assert len(names) == len(set(names))
+    for benchmark in catalog.BENCHMARKS:
+        assert (resultfile.HERE / benchmark.script).is_file(), benchmark
+        assert set(benchmark.suites) <= set(catalog.SUITES) and benchmark.headline, benchmark
+    assert {b.name for b in catalog.in_suite("quick")} <= set(names)
+    with pytest.raises(ValueError, match="suite 'fast': one of quick, cpu, lab, gpu"):
+        catalog.in_suite("fast")
+
+
+def test_a_result_is_written_whole_with_its_provenance_or_not_at_all(tmp_path):
+    out = tmp_path / "cpu-2core" / "throughput.json"
+    with pytest.raises(ValueError, match="a result file needs benchmark, commit, dirty, date, machine, settings"):
+        resultfile.write(out, {"allreduce_vs_ddp": 1.0})
+    assert not out.exists()
+    document = {"benchmark": "throughput", "commit": "abc", "dirty": False, "date": "2026-11-29",
+                "machine": {"class": "cpu-2core"}, "settings": {"workers": 2}, "allreduce_vs_ddp": 1.01}
+    resultfile.write(out, document)
+    assert json.loads(out.read_text()) == document
+    assert [p.name for p in out.parent.iterdir()] == ["throughput.json"]  # no temporary file left
+
+
+def test_a_machine_class_is_named_by_its_cores_or_its_gpu(monkeypatch):
+    assert resultfile.path_for("chaos", "gpu-h200") == resultfile.RESULTS / "gpu-h200" / "chaos.json"
+    monkeypatch.setenv("WORKBENCH_MACHINE_CLASS", "gpu-h100")
+    assert resultfile.machine_class() == "gpu-h100"
+    monkeypatch.delenv("WORKBENCH_MACHINE_CLASS")
+    assert resultfile.machine_class() == f"cpu-{__import__('os').cpu_count()}core"  # torch here has no CUDA
