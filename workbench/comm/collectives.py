@@ -126,10 +126,10 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
             os.environ.pop(variable, None)
     # What the group opened: new sockets, less any Dask opened meanwhile to its servers (`dask_ports`),
     # each with its two ends, so that a descriptor closed and reused by another connection since is
-    # never taken for the group's.
+    # never taken for the group's. New by descriptor and ends: a connection open before that closed
+    # meanwhile leaves its descriptor free for the group's, which a check by descriptor alone missed.
     _group_sockets.clear()
-    _group_sockets.update({fd: ends for fd, ends in _tcp_sockets(exclude_ports=set(dask_ports)).items()
-                           if fd not in before})
+    _group_sockets.update(opened_since(before, _tcp_sockets(exclude_ports=set(dask_ports))))
 
 
 STORE_RETRY_S = 0.01  # between connects to rank 0's store while it does not listen yet
@@ -321,6 +321,12 @@ def break_process_group() -> bool:
                 pass  # closed already, or not a connected socket (gloo's listener)
         _group_sockets.clear()
         return True
+
+
+def opened_since(before: dict[int, tuple[Any, Any]], now: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
+    """The sockets in `now` that were not open in `before`: a descriptor counts as the same socket only
+    with the same two ends (descriptors are reused as soon as a connection closes)."""
+    return {fd: ends for fd, ends in now.items() if before.get(fd) != ends}
 
 
 def _ends(connection: socket.socket) -> tuple[Any, Any]:
