@@ -21,6 +21,7 @@ class Benchmark:
     headline: tuple[str, ...] = ()  # keys computed by the script, shown first on the page
     quick_args: tuple[str, ...] | None = None  # the `quick` suite's arguments (None: not in it)
     columns: tuple[str, ...] = ()  # the cells' columns shown on the page (dotted for nested ones)
+    rows: str = "cells"  # the result's key whose rows the page shows (a list, or a mapping name -> row)
     needs: str = ""  # "lab" (root, ip, tc) or "gpu"
 
 
@@ -35,6 +36,13 @@ BENCHMARKS = (
               quick_args=("--repeats", "1")),
     Benchmark("checkpoint-cost", "What checkpoints cost in throughput", "checkpoint_cost.py",
               headline=("worst_slowdown", "allreduce_every_10_vs_none", "async_every_10_vs_none"), quick_args=("--repeats", "1", "--steps", "60")),
+    Benchmark("network", "Slow links and a slow host: every strategy against PyTorch DDP on the lab",
+              "network.py", suites=("lab",), needs="lab", rows="table",
+              headline=("best_config_100mbit", "best_retention_100mbit", "best_vs_ddp_100mbit",
+                        "best_time_to_target_vs_ddp_100mbit", "ddp_time_to_target_s"),
+              quick_args=("--quick",),
+              columns=("unlimited.samples_per_s", "1gbit.samples_per_s", "100mbit.samples_per_s",
+                       "100mbit.vs_unlimited", "100mbit.vs_ddp", "20mbit.samples_per_s", "half-cpu.samples_per_s")),
     Benchmark("fidelity", "Quality on the real workload: the character-level GPT on emulated hosts",
               "fidelity.py", suites=("lab",), needs="lab",
               headline=("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
@@ -50,7 +58,7 @@ BENCHMARKS = (
               "chaos.py", suites=("lab",), needs="lab",
               headline=("faults_injected", "runs_finished", "records_lost", "median_s_lost_per_fault",
                         "worst_s_lost_per_fault", "held_out_loss_vs_undisturbed"),
-              columns=("kind", "host", "at_s", "pause_s", "rewound_steps", "lost_s")),
+              rows="faults", columns=("kind", "host", "cpu", "held_s", "pause_s", "rewound_steps", "lost_s")),
     Benchmark("chaos-recovery", "Recovery from a lost worker, phase by phase, under every strategy",
               "chaos.py", args=("--recovery",), suites=("lab",), needs="lab",
               headline=("recovery_worst_s", "recovery_median_s", "recovery_target_met",

@@ -54,6 +54,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
+import resultfile  # noqa: E402
 
 FAULTS = ("kill", "cut", "rate", "cpu", "join")
 WORKER_HOSTS = (1, 2)
@@ -358,7 +359,7 @@ def main() -> None:
     if reason:
         sys.exit(f"benchmarks/chaos.py needs the emulated-host lab: {reason}")
     name = "chaos-recovery.json" if arguments.recovery else "chaos.json"
-    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
+    out = Path(arguments.out or resultfile.path_for(name.removesuffix(".json")))
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "chaos", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

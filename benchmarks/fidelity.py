@@ -69,6 +69,7 @@ import torch
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
+import resultfile  # noqa: E402
 
 # Context 64: a step computes in about 0.16 s on one core, so a dense exchange of the 3.4 MB of gradients
 # at 100 Mbit/s (about 0.3 s) costs more than the step, as on the thin links the strategies are made for.
@@ -545,7 +546,7 @@ def main() -> None:
     steps = arguments.steps
     name = ("fidelity-quick.json" if arguments.quick else "fidelity-balance.json" if arguments.balance
             else "fidelity-thin.json" if arguments.thin else "fidelity.json")
-    out = Path(arguments.out or HERE.parent / "results" / "cpu-2core" / name)
+    out = Path(arguments.out or resultfile.path_for(name.removesuffix(".json")))
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultfile  # noqa: E402
 import workbench  # noqa: E402
 from throughput import spawn_and_sum, steady_rate  # noqa: E402
 from workbench.job import cross_entropy  # noqa: E402
@@ -196,17 +195,8 @@ def every_strategy(arguments, result, save):
 
 
 def commit() -> dict:
-    """The commit measured: as the caller says (COMMIT=..., DIRTY=...: the device machine's copy of the tree
-    is not the clone it came from), else from git."""
-    if os.environ.get("COMMIT"):
-        return {"commit": os.environ["COMMIT"], "dirty": os.environ.get("DIRTY", "unknown")}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, check=True).stdout.strip())
-        return {"commit": head, "dirty": dirty}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": os.environ.get("COMMIT", "unknown"), "dirty": os.environ.get("DIRTY", "unknown")}
+    """The commit measured (resultfile.commit: COMMIT=... and DIRTY=... where the tree is a copy)."""
+    return resultfile.commit()
 
 
 def main() -> None:

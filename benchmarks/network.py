@@ -30,7 +30,7 @@ grid did not run at that rate), each with its strategy's suggested SGD settings.
 Configurations are a table of (name, strategy, settings); one whose settings this version of the
 workbench rejects (a ConfigError naming a setting of the table) is skipped with a note, so the same
 script measures options added later. The last line printed is one JSON object; the full result goes to
-`benchmarks/results/network-<label>.json` with the machine's description.
+`benchmarks/results/<machine class>/network.json` (or `--out`) with its commit and the machine.
 
     python benchmarks/network.py [--repeats 2] [--window-s 8] [--rates unlimited,1gbit,100mbit,20mbit]
                                  [--only async] [--no-straggler] [--no-time-to-target] [--quick]
@@ -41,7 +41,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -54,6 +53,8 @@ from typing import Any
 
 import pandas as pd
 import torch
+
+import resultfile
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
@@ -890,25 +891,13 @@ def headline(table: dict[str, Any], names: list[str], time_to_target: dict[str, 
     return result
 
 
-def machine() -> dict[str, Any]:
-    import dask
-    import distributed
+LAB_DESCRIPTION = ("shared VM; hosts are network namespaces on one bridge, links shaped by tbf (no added delay), "
+                   "the slow host by a cgroup v1 CPU quota")
 
-    model = ""
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    memory_kib = next((int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
-    commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"description": f"{os.cpu_count()} cores ({model}), {memory_kib / 2**20:.0f} GiB, no GPU used, "
-                           f"shared VM; hosts are network namespaces on one bridge, links shaped by tbf "
-                           f"(no added delay), the slow host by a cgroup v1 CPU quota",
-            "cores": os.cpu_count(), "cpu": model, "arch": platform.machine(), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "dask": dask.__version__,
-            "distributed": distributed.__version__, "commit": commit}
+
+def machine() -> dict[str, Any]:
+    """The machine, as every lab benchmark describes it (resultfile.machine with the lab's conditions)."""
+    return resultfile.machine(LAB_DESCRIPTION)
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -967,8 +956,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--target-repeats", type=int, default=1)
     parser.add_argument("--no-time-to-target", action="store_true")
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
-    parser.add_argument("--label", default=None, help="the JSON goes to benchmarks/results/network-LABEL.json "
-                                                      "(default: cpu-<cores>core; --quick saves only with a label)")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/network.json; "
+                                                    "--quick saves only where --out says)")
     parser.add_argument("--no-save", action="store_true", help="print only")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: 1 repeat, 2 s windows, "
                         "unlimited and 100mbit, a few configurations, a low target")
@@ -1068,7 +1057,7 @@ def main() -> None:
     result.update(plain_samples_per_s=plain_median, minutes=round(elapsed / 60, 1),
                   loadavg_1min_median=statistics.median(loads) if loads else None,
                   skipped=[s.split(":")[0] for s in skipped])
-    document = {"date": datetime.date.today().isoformat(), "machine": machine(),
+    document = {**resultfile.document("network", {}, LAB_DESCRIPTION),
                 "settings": {"repeats": arguments.repeats, "window_s": arguments.window_s,
                              "max_window_s": arguments.max_window_s, "warmup_s": arguments.warmup_s,
                              "warmup_steps": arguments.warmup_steps,
@@ -1081,12 +1070,11 @@ def main() -> None:
                 "workers_restarted": restarted, "lab_logs": lab_logs,
                 "table": table, "time_to_target": time_to_target, "plain": plain, "cells": cells,
                 "time_to_target_runs": target_runs}
-    # A quick smoke run is kept only when given a label of its own.
-    if not arguments.no_save and not (arguments.quick and arguments.label is None):
-        path = RESULTS / f"network-{arguments.label or f'cpu-{os.cpu_count()}core'}.json"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(_rounded(document), indent=1) + "\n")
-        print(f"\nwritten to {path.relative_to(HERE.parent.parent)}")
+    # A quick smoke run is kept only when told where (`python -m benchmarks run --suite quick` does).
+    if not arguments.no_save and not (arguments.quick and arguments.out is None):
+        path = Path(arguments.out or resultfile.path_for("network"))
+        resultfile.write(path, _rounded(document))
+        print(f"\nwritten to {path}")
     print(json.dumps(_rounded({k: v for k, v in result.items()})))
 
 

@@ -82,7 +82,7 @@ def _dig(row: dict[str, Any], column: str) -> Any:
 
 def _cells(result: dict[str, Any], benchmark: catalog.Benchmark) -> list[str]:
     """The raw cells as a table: a list of rows, or a mapping of name to row."""
-    cells = result.get("cells", result.get("faults"))
+    cells = result.get(benchmark.rows)
     if not cells:
         return []
     rows = [{"name": name, **row} for name, row in cells.items()] if isinstance(cells, dict) else list(cells)

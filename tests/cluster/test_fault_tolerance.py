@@ -66,6 +66,20 @@ def _loss_stalling_on_rank_2(outputs, targets, armed, wake):
     return _slow_loss(outputs, targets)
 
 
+def _count_replications(dask_scheduler, stop=False):
+    """Count the scheduler's replications from now on; with `stop`, stop counting and say how many."""
+    if stop:
+        del dask_scheduler.replicate  # the class's own again
+        return dask_scheduler.workbench_replications
+    original, dask_scheduler.workbench_replications = dask_scheduler.replicate, 0
+
+    async def replicate(*args, **kwargs):
+        dask_scheduler.workbench_replications += 1
+        return await original(*args, **kwargs)
+
+    dask_scheduler.replicate = replicate
+
+
 def _no_process_groups(client):
     flags = client.run(lambda: __import__("torch").distributed.is_initialized())
     return not any(flags.values())
@@ -108,6 +122,7 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     every = 40
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, epochs=8, loss=_slow_loss,
                         **job_changes)
+    cluster3.run_on_scheduler(_count_replications)
     run = workbench.train(job, strategy, client=cluster3, run_dir=tmp_path, collective_timeout_s=LONG_TIMEOUT_S,
                           checkpoint_every_steps=every, checkpoint_every_s=None, min_workers=2, **settings)
     addresses = list(run.worker_addresses)
@@ -146,6 +161,10 @@ def test_a_killed_worker_costs_at_most_one_checkpoint_interval(cluster3, tmp_pat
     assert sum(recovered["phases_s"].values()) == pytest.approx(recovered["total_s"], abs=0.01)
     assert run.summary()["recoveries"][0]["total_s"] == recovered["total_s"]
     print(f"{strategy}: {recovery.describe(recovered)}")
+    # Every copy of a checkpoint went to its worker on its own, never through the scheduler's replication:
+    # that holds a lock every broadcast scatter waits on, and retries a copy to a worker that died for
+    # ever (a run killed mid-copy never regrouped, its next scatter waiting behind it).
+    assert cluster3.run_on_scheduler(_count_replications, stop=True) == 0
     # No checkpoint crossed to the new group: every survivor starts from the copy it kept, whichever rank
     # was lost (rank 0's worker took it; the others were sent it as it was written).
     origins = {e["address"]: e["checkpoint"] for e in run.events("worker-started") if e["generation"] == 1}

@@ -119,22 +119,25 @@ class CheckpointStore:
         the checkpoint crossing the link while the run waits (on the lab at 100 Mbit/s, 0.9-1.2 s of a
         1.7-2.1 s recovery). Here, off the run's path, it costs link time once per checkpoint. A worker
         that does not answer in `timeout_s` (lost meanwhile) is sent it again at the regroup, if it
-        takes part."""
+        takes part. Each worker is sent its copy on its own (`launcher.scatter_to_each` says why)."""
         if not addresses or self._closed:
             return
         futures: list[Any] = []
-        try:
-            # In a list: a dict scattered alone would come back as a dict of futures, one per key.
-            (sent,) = client.scatter([checkpoint], workers=addresses, broadcast=True, hash=False, timeout=timeout_s)
-            futures.append(sent)
-            futures += [client.submit(checkpoints.keep_copy, run_id, sent, workers=[a], allow_other_workers=False,
-                                      pure=False) for a in addresses]
-            kept = [a for a, future in zip(addresses, futures[1:]) if future.result(timeout=timeout_s)]
-        except Exception:
-            return  # a worker lost meanwhile: the regroup sends the checkpoint where it is not kept
-        finally:
-            for future in futures:
-                future.release()
+        kept = []
+        for address in addresses:  # one by one: a worker lost meanwhile costs only its own copy
+            try:
+                (sent,) = client.scatter([checkpoint], workers=[address], hash=False, timeout=timeout_s)
+                futures.append(sent)
+                futures.append(client.submit(checkpoints.keep_copy, run_id, sent, workers=[address],
+                                             allow_other_workers=False, pure=False))
+                if futures[-1].result(timeout=timeout_s):
+                    kept.append(address)
+            except Exception:
+                continue  # lost meanwhile: a regroup sends the checkpoint where it is not kept
+            finally:
+                for future in futures:
+                    future.release()
+                futures.clear()
         with self._lock:
             self.holders.update(kept)
             closed = self._closed

@@ -180,7 +180,7 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
     # Every run has a process group (see worker/loop.py), on a port free on rank 0's machine.
     host = get_address_host(addresses[0])
     port = client.run(collectives.find_free_port, workers=[addresses[0]])[addresses[0]]
-    eval_payload = _scatter(client, prepared.evaluation, addresses[:1])
+    eval_payload = _scatter(client, prepared.evaluation, addresses[:1])[addresses[0]]
     launched = uuid.uuid4().hex[:6]  # task keys never repeat, even for a run resumed under its old id
     relays = metrics_relay.relay_addresses(addresses, metrics_relay.relay_from())
     if any(relays):
@@ -199,7 +199,7 @@ def launch(client: Client, prepared: PreparedJob, job: Job, state: ControlState,
             start_step=start_step, checkpoint_every_steps=options.checkpoint_every_steps,
             applied_switch=state.switch_id, known_checkpoint=state.checkpoint_id, metrics_relay=relays[rank],
         )
-        data = train_payload[address] if local else train_payload
+        data = train_payload[address]
         starts.append(start_step)
         futures.append(client.submit(
             train_on_worker, task, data, eval_payload if rank == 0 else None, saved.get(address),
@@ -224,25 +224,32 @@ def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | N
             saved.update({a: checkpoints.KeptCheckpoint(run_id, wanted) for a in asked if answers.get(a) is True})
         except Exception:  # gone meanwhile: they are sent the checkpoint like every other worker
             pass
-    rest = [a for a in addresses if a not in saved]
-    if rest:
-        scattered = client.scatter(checkpoint, workers=rest, broadcast=True, hash=False)
-        saved.update({a: scattered for a in rest})
+    saved.update(scatter_to_each(client, checkpoint, [a for a in addresses if a not in saved]))
     return saved
 
 
+def scatter_to_each(client: Client, value: Any, addresses: list[str]) -> dict[str, Any]:
+    """A future per worker for `value`, sent to each worker on its own. Not `scatter(broadcast=True)`: the
+    scheduler then replicates under a lock it shares with every replication, and a worker that dies while
+    it copies there is retried for ever, so that every later broadcast scatter (the next regroup's) waited
+    behind it (seen in a full test run: a run killed mid-copy never regrouped)."""
+    # In a list: a dict scattered alone would come back as a dict of futures, one per key.
+    return {address: client.scatter([value], workers=[address], hash=False)[0] for address in addresses}
+
+
 def _place_training_data(client: Client, source: DataSource, addresses: list[str]):
-    """Where the training data goes: (payload, common shard size, whether shards are worker-local)."""
+    """Where the training data goes: (payload per worker, common shard size, whether shards are worker-local)."""
     if isinstance(source, DaskArrayData):
         return _assign_dask_blocks(client, source, addresses)
     return _scatter(client, source, addresses), shard_size(len(source), len(addresses)), False
 
 
-def _scatter(client: Client, source: DataSource | None, addresses: list[str]) -> Any:
-    # Built-in data is generated on the workers; only user data travels, once per worker.
+def _scatter(client: Client, source: DataSource | None, addresses: list[str]) -> dict[str, Any]:
+    """Per worker, the data it trains or evaluates on: built-in data is generated on the workers; only
+    user data travels, once per worker."""
     if source is None or isinstance(source, BuiltinData):
-        return source
-    return client.scatter(source, workers=addresses, broadcast=True, hash=False)
+        return {address: source for address in addresses}
+    return scatter_to_each(client, source, addresses)
 
 
 def _assign_dask_blocks(client: Client, source: DaskArrayData, addresses: list[str]):
