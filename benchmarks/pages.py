@@ -101,9 +101,9 @@ def _section(machine: str, benchmark: catalog.Benchmark, path: Path) -> list[str
     clean = "" if result.get("dirty") is False else f" (tree dirty: {result.get('dirty')})"
     description = result["machine"].get("description") if isinstance(result["machine"], dict) else result["machine"]
     lines = [f"### {benchmark.title}", "",
-             f"`python -m benchmarks run --only {benchmark.name}` wrote "
-             f"`benchmarks/results/{machine}/{benchmark.name}.json` at commit `{str(result['commit'])[:7]}`{clean} "
-             f"on {str(result['date'])[:10]}, on {description}.", ""]
+             f"`benchmarks/results/{machine}/{benchmark.name}.json`: commit `{str(result['commit'])[:7]}`{clean}, "
+             f"{str(result['date'])[:10]}, {description}. Measured again by "
+             f"`python -m benchmarks run --only {benchmark.name}`.", ""]
     lines += ["| headline | value |", "|---|---:|"]
     lines += [f"| `{key}` | {_value(result.get(key))} |" for key in benchmark.headline]
     lines += ["", "Settings: " + _value(result["settings"]).strip("`")[:400], ""]
