@@ -60,7 +60,7 @@ def run(arguments: argparse.Namespace) -> int:
             print(f"[benchmarks] skipped {benchmark.name}: {reason}", flush=True)
             continue
         out = SCRATCH / resultfile.machine_class() / f"{benchmark.name}.json" if quick else resultfile.path_for(benchmark.name)
-        args = list(benchmark.args) + list(benchmark.quick_args or () if quick else ())
+        args = list(benchmark.args) + (list(benchmark.quick_args or ()) if quick else [])
         command = [sys.executable, str(HERE / benchmark.script), *args, "--out", str(out)]
         print(f"[benchmarks] {benchmark.name}: {' '.join(command[1:])}", flush=True)
         if subprocess.run(command, cwd=resultfile.ROOT).returncode != 0:

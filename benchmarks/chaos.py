@@ -351,7 +351,6 @@ def main() -> None:
     parser.add_argument("--recovery-steps", type=int, default=192, help="steps per worker of each --recovery run")
     parser.add_argument("--out", default=None)
     arguments = parser.parse_args()
-    from gpt_gpu import commit
     from network import machine
     from testbed import lab as labs
 
@@ -363,7 +362,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "chaos", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **commit(), "machine": machine(),
+        **resultfile.commit(), "machine": machine(),
         "settings": {"job": "fidelity's (gpt-mini on stdlib-text)", "steps": arguments.steps, "strategy": "auto",
                      "checkpoint_every_steps": CHECKPOINT_EVERY, "auto_join": True, "minutes": arguments.minutes,
                      "seed": arguments.seed, "mean_gap_s": arguments.mean_gap_s, "faults": arguments.faults,

@@ -534,7 +534,6 @@ def main() -> None:
     if arguments.table:
         print(table(json.loads(Path(arguments.table).read_text())))
         return
-    from gpt_gpu import commit
     from network import machine
     from testbed import lab as labs
 
@@ -550,7 +549,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
         "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **commit(), "machine": machine(),
+        **resultfile.commit(), "machine": machine(),
         "settings": {"model": MODEL, "parameters": sum(p.numel() for p in workbench.gpt(MODEL)().parameters()),
                      "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
                      "budget": f"{steps} steps per worker ({steps * BATCH * 2} samples) for every run",

@@ -194,11 +194,6 @@ def every_strategy(arguments, result, save):
         result["held_out_loss_vs_allreduce"] = {n: loss / losses["allreduce"] for n, loss in losses.items()}
 
 
-def commit() -> dict:
-    """The commit measured (resultfile.commit: COMMIT=... and DIRTY=... where the tree is a copy)."""
-    return resultfile.commit()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -223,7 +218,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     arguments = parser.parse_args()
     result = {"benchmark": "gpt_gpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.node(), "torch": torch.__version__, **commit(),
+              "machine": platform.node(), "torch": torch.__version__, **resultfile.commit(),
               "settings": {k: v for k, v in vars(arguments).items() if k not in ("out", "runs")}}
     if arguments.device == "cuda":
         result["device"] = torch.cuda.get_device_name(0)

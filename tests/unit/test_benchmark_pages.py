@@ -4,6 +4,7 @@ provenance is never written."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,4 +53,4 @@ def test_a_machine_class_is_named_by_its_cores_or_its_gpu(monkeypatch):
     monkeypatch.setenv("WORKBENCH_MACHINE_CLASS", "gpu-h100")
     assert resultfile.machine_class() == "gpu-h100"
     monkeypatch.delenv("WORKBENCH_MACHINE_CLASS")
-    assert resultfile.machine_class() == f"cpu-{__import__('os').cpu_count()}core"  # torch here has no CUDA
+    assert resultfile.machine_class() == f"cpu-{os.cpu_count()}core"  # torch here has no CUDA
