@@ -72,7 +72,11 @@ def dask_cluster_on_loopback(directory, workers=2, flags=()):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment))
         yield address
     finally:
-        end_processes(processes)
+        # Workers first, then the scheduler, as LocalCluster closes: a worker that has run a task holds a
+        # worker client (get_client), which, with the scheduler gone first, keeps the worker process alive
+        # until its nanny kills it 8 s later (measured: 8.2 s against 0.8 s for the whole cluster).
+        end_processes(processes[1:])
+        end_processes(processes[:1])
 
 
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
