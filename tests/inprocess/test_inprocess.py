@@ -270,11 +270,11 @@ def test_a_timeout_set_while_the_run_trains_is_the_one_every_ranks_waits_have():
     applied = run.events(kinds.DEADLINE_APPLIED)
     assert sorted(e["worker"] for e in applied) == [0, 1] and {e["timeout_s"] for e in applied} == {0.75}
     assert all(3 <= e["step"] <= 6 for e in applied)  # at the next steps, not at the next agreement
-    # In force: rank 1 held 3 s now makes rank 0's collective give up after 0.75 s ...
+    # In force: rank 1 held 1.5 s (twice the timeout) now makes rank 0's collective give up after 0.75 s ...
     with pytest.raises(threading.BrokenBarrierError):
-        train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 3.0, 0.75))
+        train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 1.5, 0.75))
     # ... where the timeout the run started with (60 s) waits for it.
-    held = train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 3.0, None))
+    held = train_in_process(job(), "allreduce", WORLD, on_record=_stall_rank_1_at(12, 1.5, None))
     assert [len(held.steps(rank)) for rank in range(WORLD)] == [30, 30]
 
 
