@@ -60,7 +60,7 @@ BENCHMARKS = (
                         "worst_s_lost_per_fault", "held_out_loss_vs_undisturbed"),
               rows="faults", columns=("kind", "host", "cpu", "held_s", "pause_s", "rewound_steps", "lost_s")),
     Benchmark("chaos-recovery", "Recovery from a lost worker, phase by phase, under every strategy",
-              "chaos.py", args=("--recovery",), suites=("lab",), needs="lab",
+              "chaos.py", args=("--recovery", "--repeats", "2"), suites=("lab",), needs="lab",
               headline=("recovery_worst_s", "recovery_median_s", "recovery_target_met",
                         "recovery_worst_s_last_rank_killed", "recovery_worst_s_first_rank_killed"),
               columns=("place", "strategy", "killed_rank", "status", "checkpoint", "total_s", "phases_s.detected",

@@ -62,10 +62,13 @@ def test_the_headline_keys_come_from_the_runs_and_faults():
 def test_the_recovery_target_holds_only_when_every_recovery_was_timed_within_it():
     cells = [{"total_s": 0.6}, {"total_s": 1.9}, {"total_s": 1.0}]
     assert chaos.recovery_headline(cells) == {"recovery_worst_s": 1.9, "recovery_median_s": 1.0,
-                                              "recovery_target_met": True}
-    assert not chaos.recovery_headline(cells + [{"total_s": 2.5}])["recovery_target_met"]
+                                              "recovery_target_met": True, "recoveries": 3,
+                                              "recoveries_over_target": 0}
+    over = chaos.recovery_headline(cells + [{"total_s": 2.5}])
+    assert not over["recovery_target_met"] and over["recoveries_over_target"] == 1
     # A run that never recorded its recovery (it failed) is not a recovery within the target.
-    assert not chaos.recovery_headline(cells + [{"status": "failed"}])["recovery_target_met"]
+    failed = chaos.recovery_headline(cells + [{"status": "failed"}])
+    assert not failed["recovery_target_met"] and (failed["recoveries"], failed["recoveries_over_target"]) == (4, 1)
     assert chaos.recovery_headline([])["recovery_worst_s"] is None
 
 
