@@ -12,17 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ctrl_c_at_default, wait_until
+from helpers import cli_in_process, ctrl_c_at_default, wait_until
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 
 
 @pytest.mark.timeout(60)
-def test_the_cli_refuses_too_many_workers_in_one_line(tmp_path):
-    result = subprocess.run([WORKBENCH, "train", "--workers", "500", "--run-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=50)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "workers=500" in result.stderr
+def test_the_cli_refuses_too_many_workers_in_one_line(tmp_path, capsys):
+    code, lines = cli_in_process(["train", "--workers", "500", "--run-dir", str(tmp_path)], capsys)
+    assert code == 2 and len(lines) == 1 and "workers=500" in lines[0], lines
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

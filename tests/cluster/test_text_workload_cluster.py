@@ -19,7 +19,7 @@ from workbench.cli import main as cli
 from workbench.schedule import lr_factor
 from workbench.strategies import STRATEGIES
 
-from helpers import TEXT_SLICE as SLICE, text_job
+from helpers import TEXT_SLICE as SLICE, cli_in_process, text_job
 
 
 # --- on the cluster ------------------------------------------------------------------------------------------
@@ -112,11 +112,11 @@ def test_every_strategy_trains_the_gpt_from_the_cli_with_its_own_defaults(strate
     assert config["job"]["optimizer"] == "adamw" and config["job"]["lr_schedule"] == "cosine"
 
 
-def test_the_cli_refuses_a_context_longer_than_the_models_positions(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "workbench", "train", "--dataset", "stdlib-text", "--model", "gpt-test", "--context",
-         "1000", "--no-progress", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "context" in out.stderr and "1000" in out.stderr and "64" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "workbench", "train", "--dataset", "stdlib-text", "--model", "mlp"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--model" in out.stderr and "gpt-mini" in out.stderr
+def test_the_cli_refuses_a_context_longer_than_the_models_positions(tmp_path, capsys):
+    # The command's main in this process (the installed command's own run: test_existing_cluster_and_cli.py).
+    code, lines = cli_in_process(["train", "--dataset", "stdlib-text", "--model", "gpt-test", "--context", "1000",
+                                  "--no-progress", "--run-dir", str(tmp_path)], capsys)
+    assert code == 2 and len(lines) == 1 and "context" in lines[0] and "1000" in lines[0] and "64" in lines[0], lines
+    code, lines = cli_in_process(["train", "--dataset", "stdlib-text", "--model", "mlp", "--run-dir", str(tmp_path)],
+                                 capsys)
+    assert code == 2 and len(lines) == 1 and "--model" in lines[0] and "gpt-mini" in lines[0], lines
