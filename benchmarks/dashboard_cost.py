@@ -28,10 +28,8 @@ each cell setting every thread of the one dashboard process to its value.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from typing import Any
 
 from bokeh.server.tornado import DEFAULT_CHECK_UNUSED_MS, DEFAULT_UNUSED_LIFETIME_MS
 
+import resultfile
 import workbench
 from widgets.dashboard.app import REFRESH_MS
 from widgets.dashboard.serve import DEFAULT_NICE
@@ -123,6 +122,8 @@ def main() -> None:
     parser.add_argument("--nice", default=str(DEFAULT_NICE),
                         help="websocket: the dashboard process's niceness, or a comma list to compare in one run "
                              f"(e.g. 0,{DEFAULT_NICE}; the command's default is {DEFAULT_NICE})")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/"
+                                                  "dashboard-cost.json, or dashboard-cost-websocket.json)")
     parser.add_argument("--viewer-priority", choices=("idle", "normal"), default="idle",
                         help="websocket: the viewers' process runs only on CPU nothing else wants (idle: as on "
                              "machines of their own) or as any process (normal: they compete with training)")
@@ -185,11 +186,12 @@ def main() -> None:
         workbench.shutdown(client)
 
     latencies.sort()
-    result = {
-        "benchmark": "dashboard_cost", "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+    result = resultfile.document("dashboard-cost", {
         "strategy": arguments.strategy, "workers": arguments.workers, "viewers": arguments.viewers,
         "steps": arguments.steps, "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms,
+        "model": "MLP 784-1024-1024-10, synthetic data, batch 128 per worker",
+        "viewer": "a page of Debian's chromium, headless, driven by Playwright"})
+    result.update({
         "samples_per_s_alone": statistics.median(alone), "samples_per_s_watched": statistics.median(watched),
         "watched_vs_alone": statistics.median(watched) / statistics.median(alone),
         "latency_median_s": statistics.median(latencies) if latencies else None,
@@ -197,15 +199,13 @@ def main() -> None:
         "latency_samples": len(latencies),
         "cpu_seconds_while_watched": {kind: round(seconds, 1) for kind, seconds in cpu_watched.items()},
         "watched_seconds": sum(arguments.steps * 128 * arguments.workers / rate for rate in watched),
-    }
+    })
     print(f"throughput with {arguments.viewers} viewers vs none: {result['watched_vs_alone']:.3f}x (target >= 0.97)")
     if latencies:
         print(f"worker-to-browser latency: median {result['latency_median_s']:.3f} s, "
               f"p95 {result['latency_p95_s']:.3f} s (target: median < 1 s)")
-    out = Path(__file__).resolve().parent / "results" / f"cpu-2core-dashboard-cost-{arguments.viewers}-viewers-{arguments.refresh_ms}ms.json"
-    if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
-        out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    resultfile.write(arguments.out or resultfile.path_for("dashboard-cost"), result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "settings")}))
 
 
 # --- viewers on their own machines: websocket sessions that receive every update and draw nothing -------
@@ -365,16 +365,17 @@ def websocket_main(arguments: argparse.Namespace) -> None:
 
     tables = {nice: table_at(nice) for nice in nices}
     table = tables[nices[-1]]  # the last niceness named (the command's default where it is the only one)
-    result = {
-        "benchmark": "dashboard_cost_websocket", "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-        "strategy": arguments.strategy, "workers": arguments.workers, "steps": arguments.steps,
+    result = resultfile.document("dashboard-cost-websocket", {
+        "strategy": arguments.strategy, "workers": arguments.workers, "steps": arguments.steps, "sessions": counts,
         "repeats": arguments.repeats, "refresh_ms": arguments.refresh_ms, "viewer_priority": arguments.viewer_priority,
-        "dashboard_nice": nices[-1], "table": table, "tables_by_nice": tables,
+        "dashboard_nice": nices, "model": "MLP 784-1024-1024-10, synthetic data, batch 128 per worker",
+        "viewer": "Bokeh client sessions (bokeh.client.pull_session) that draw nothing"})
+    result.update({
+        "table": table, "tables_by_nice": tables,
         "cells": {f"nice {nice}, {count} sessions": runs for (nice, count), runs in cells.items()},
         **({"vs_none_10": table[10]["vs_none"], "cores_per_session_10": table[10]["dashboard_cores_per_session"]}
            if 10 in table else {}),
-    }
+    })
     print(f"{'nice':>4} {'sessions':>8} {'samples/s':>10} {'vs none':>8} {'dashboard cores':>16} {'per session':>12} "
           f"{'viewer cores':>13}")
     for nice, rows in tables.items():
@@ -382,11 +383,8 @@ def websocket_main(arguments: argparse.Namespace) -> None:
             per = f"{row['dashboard_cores_per_session']:.4f}" if n else "-"
             print(f"{nice:>4} {n:>8} {row['samples_per_s']:>10,.0f} {row['vs_none']:>8.3f} {row['dashboard_cores']:>16.3f}"
                   f" {per:>12} {row['viewer_cores']:>13.3f}")
-    if os.environ.get("WORKBENCH_SAVE_RESULTS") == "1":
-        suffix = "" if nices == [DEFAULT_NICE] else "-nice-" + "-".join(map(str, nices))
-        out = Path(__file__).resolve().parent / "results" / f"cpu-2core-dashboard-cost-websocket-{arguments.refresh_ms}ms{suffix}.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    resultfile.write(arguments.out or resultfile.path_for("dashboard-cost-websocket"), result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "settings", "cells")}))
 
 
 if __name__ == "__main__":

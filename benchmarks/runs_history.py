@@ -12,18 +12,16 @@ is started against a `dask scheduler` of its own with `--runs-dir` on them, and 
 - open: from picking the oldest run to its loss plot holding its points;
 - compare: from choosing five runs in the Compare tab to both plots holding five lines.
 
-    python benchmarks/runs_history.py [--runs 200] [--repeats 3] [--label cpu-2core]
+    python benchmarks/runs_history.py [--runs 200] [--repeats 3] [--out FILE]
 
-The last line printed is one JSON object, also written to `benchmarks/results/runs-history-<label>.json`,
-with the medians (`list_s`, `open_s`, `compare_s`, `start_s`) and every repeat.
+The last line printed is one JSON object with the medians (`list_s`, `open_s`, `compare_s`, `start_s`); the
+result file (`resultfile.path_for("runs-history")`, or `--out`) holds them with every repeat.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -36,7 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import resultfile
+
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
 STRATEGIES = ["allreduce", "average", "async", "ssp", "easgd"]
 LINES = "() => {{ const s = Bokeh.documents[0].get_model_by_name('{name}'); return s ? s.data['{column}'].length : -1 }}"
@@ -147,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--label", default="cpu-2core")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/runs-history.json)")
     arguments = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -182,13 +181,11 @@ def main() -> None:
             scheduler.terminate()
             scheduler.wait(timeout=30)
     medians = {key: statistics.median(r[key] for r in repeats) for key in ("start_s", "list_s", "open_s", "compare_s")}
-    result = {"benchmark": "runs_history", "date": datetime.date.today().isoformat(),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-              "runs": arguments.runs, "size_mb": round(size_mb), "rows_shown": repeats[-1]["rows"], **medians,
-              "repeats": repeats}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"runs-history-{arguments.label}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "repeats"}))
+    result = resultfile.document("runs-history", {"runs": arguments.runs, "repeats": arguments.repeats,
+                                                  "browser": "Debian's chromium, headless, driven by Playwright"})
+    result.update(size_mb=round(size_mb), rows_shown=repeats[-1]["rows"], **medians, repeats=repeats)
+    resultfile.write(arguments.out or resultfile.path_for("runs-history"), result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("repeats", "machine", "settings")}))
 
 
 if __name__ == "__main__":

@@ -20,23 +20,22 @@ On the other side:
 A record is lost when it was sent and is missing from the client's table, the run directory or the
 hub's table after the last batch (a few seconds are allowed for the tail to arrive).
 
-    python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--group 1] [--label cpu-2core]
+    python benchmarks/scale.py [--workers 64,256,1024] [--seconds 20] [--steps-per-s 8] [--group 1] [--out FILE]
 
 `--group G` sends every G workers' batches as one `batches` message, what a relay of G workers sends the
 scheduler (`workbench/plane/relay.py`; the relays' own work, on the workers' hosts, is not emulated).
 
-The last line printed is one JSON object, also written to `benchmarks/results/scale-<label>.json`, with
-`records_lost_<N>`, `median_delay_s_<N>`, `p99_delay_s_<N>` and `scheduler_cores_<N>` for every N.
+The last line printed is one JSON object with `records_lost_<N>`, `median_delay_s_<N>`, `p99_delay_s_<N>`
+and `scheduler_cores_<N>` for every N; the result file (`resultfile.path_for("scale")`, `scale-relayed` with
+`--group` above 1, or `--out`) holds them with every row.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,8 @@ from typing import Any
 
 import cloudpickle
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import resultfile
+
 FLUSH_INTERVAL_S = 0.25  # MetricsSender's default: a worker's batches a second are 4
 # What runs on the scheduler goes by value: the scheduler cannot import this script (imported as a module
 # by the tests, not only run as __main__).
@@ -291,7 +291,8 @@ def main() -> None:
     parser.add_argument("--emulators", type=int, default=4, help="processes the emulated workers share")
     parser.add_argument("--group", type=int, default=1,
                         help="workers whose batches reach the scheduler as one message (1: each its own)")
-    parser.add_argument("--label", default="cpu-2core")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/scale.json, "
+                                                  "scale-relayed.json with --group above 1)")
     arguments = parser.parse_args()
     if arguments.group < 1:
         parser.error(f"--group {arguments.group} is not allowed: expected 1 or more workers a message")
@@ -303,19 +304,19 @@ def main() -> None:
                           arguments.group)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, one VM", "date": datetime.date.today().isoformat(),
-              "steps_per_s": arguments.steps_per_s, "seconds": arguments.seconds, "emulators": arguments.emulators,
-              "group": arguments.group,
-              "rows": rows}
+    name = "scale" if arguments.group == 1 else "scale-relayed"
+    result = resultfile.document(name, {"workers": counts, "steps_per_s": arguments.steps_per_s,
+                                        "seconds": arguments.seconds, "emulators": arguments.emulators,
+                                        "group": arguments.group})
+    result["rows"] = rows
     for row in rows:
         n = row["workers"]
         result[f"records_lost_{n}"] = max(row["records_lost"], row["records_lost_on_disk"], row["records_lost_hub"])
         result[f"median_delay_s_{n}"] = row["median_delay_s"]
         result[f"p99_delay_s_{n}"] = row["p99_delay_s"]
         result[f"scheduler_cores_{n}"] = row["cores"]["scheduler"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"scale-{arguments.label}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    resultfile.write(arguments.out or resultfile.path_for(name), result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "machine", "settings")}))
 
 
 if __name__ == "__main__":
