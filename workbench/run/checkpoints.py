@@ -16,6 +16,7 @@ from typing import Any
 
 from workbench.plane import checkpoint_format as checkpoints, kinds
 from workbench.plane.checkpoint_format import age
+from workbench.run.launcher import scatter_to_each
 
 
 class CheckpointStore:
@@ -126,9 +127,8 @@ class CheckpointStore:
         kept = []
         for address in addresses:  # one by one: a worker lost meanwhile costs only its own copy
             try:
-                (sent,) = client.scatter([checkpoint], workers=[address], hash=False, timeout=timeout_s)
-                futures.append(sent)
-                futures.append(client.submit(checkpoints.keep_copy, run_id, sent, workers=[address],
+                futures.append(scatter_to_each(client, checkpoint, [address], timeout_s)[address])
+                futures.append(client.submit(checkpoints.keep_copy, run_id, futures[0], workers=[address],
                                              allow_other_workers=False, pure=False))
                 if futures[-1].result(timeout=timeout_s):
                     kept.append(address)

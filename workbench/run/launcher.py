@@ -228,13 +228,13 @@ def _send_checkpoint(client: Client, run_id: str, checkpoint: dict[str, Any] | N
     return saved
 
 
-def scatter_to_each(client: Client, value: Any, addresses: list[str]) -> dict[str, Any]:
+def scatter_to_each(client: Client, value: Any, addresses: list[str], timeout: float | None = None) -> dict[str, Any]:
     """A future per worker for `value`, sent to each worker on its own. Not `scatter(broadcast=True)`: the
     scheduler then replicates under a lock it shares with every replication, and a worker that dies while
     it copies there is retried for ever, so that every later broadcast scatter (the next regroup's) waited
     behind it (seen in a full test run: a run killed mid-copy never regrouped)."""
     # In a list: a dict scattered alone would come back as a dict of futures, one per key.
-    return {address: client.scatter([value], workers=[address], hash=False)[0] for address in addresses}
+    return {address: client.scatter([value], workers=[address], hash=False, timeout=timeout)[0] for address in addresses}
 
 
 def _place_training_data(client: Client, source: DataSource, addresses: list[str]):
