@@ -239,9 +239,9 @@ def test_a_lost_worker_host_and_a_resume_across_hosts(lab, all_workers, tmp_path
 
 def test_a_cable_pulled_past_the_timeout_and_plugged_back_stalls_the_group_and_the_run_goes_on(lab, all_workers,
                                                                                              tmp_path):
-    """Every rank times out on the others (each side of the cut sees the other silent), no worker is
-    lost: the group stalled. It goes on with every worker from the last checkpoint instead of failing
-    the run (found by benchmarks/chaos.py: a 21 s cut under a measured 15 s timeout failed the run)."""
+    """The ranks time out on the cut one, no worker is lost: the group stalled. It goes on with every
+    worker from the last checkpoint instead of failing the run (found by benchmarks/chaos.py: a 21 s cut
+    under a measured 15 s timeout failed the run)."""
     timeout_s = 8.0
     run = workbench.train(digits_job("allreduce", epochs=6), "allreduce", client=all_workers, run_dir=tmp_path,
                           collective_timeout_s=timeout_s, checkpoint_every_steps=20, checkpoint_every_s=None)
@@ -258,9 +258,13 @@ def test_a_cable_pulled_past_the_timeout_and_plugged_back_stalls_the_group_and_t
     (regrouped,) = run.events("regrouped")
     assert regrouped["reason"].startswith("the group stalled") and not regrouped["lost"]
     assert sorted(regrouped["workers"]) == sorted(run.worker_addresses) and len(run.worker_addresses) == WORKER_HOSTS
-    failed = run.events("worker-failed")
-    assert {e["worker"] for e in failed} == set(range(WORKER_HOSTS))  # every rank timed out, none was lost
-    assert all("Timed out waiting" in e["error"] for e in failed) and not run.events("worker-lost")
+    # Each rank of the stalled group ended once: by its own timeout, or by leaving when the client ended
+    # the group after a first rank's timeout (a rank that entered the collective later, or rank 0 waiting
+    # for the client to fetch a checkpoint, is freed then: `ControlPoint.break_group_if_ended`).
+    failed = [e for e in run.events("worker-failed") if e["generation"] == 0]
+    left = [e for e in run.events("worker-left") if e["generation"] == 0]
+    assert sorted(e["worker"] for e in failed + left) == list(range(WORKER_HOSTS)), (failed, left)
+    assert failed and all("Timed out waiting" in e["error"] for e in failed) and not run.events("worker-lost")
     assert run.evaluate()["accuracy"] >= 0.8
 
 
