@@ -110,7 +110,7 @@ def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
         c.setdefault("wall_s", c["curve"][-1]["seconds"] if "curve" in c else None)
     result = {"cells": cells, **fidelity.headline(cells, quick=True)}
     lines = fidelity.table(result).splitlines()
-    assert lines[0] == "| 100mbit | seeds | held-out loss | vs DDP | wall time | to 2.100 |"  # DDP's median end
+    assert lines[0] == "| 100mbit | runs | held-out loss | vs DDP | wall time | to 2.100 |"  # DDP's median end
     rows = [line.split(" | ") for line in lines[2:6]]
     assert [row[0] for row in rows] == ["| PyTorch DDP", "| `average p64`", "| `async p4`", "| `auto`"]
     assert rows[0][1:5] == ["2", "2.100", "1.000", "80 s"]
@@ -122,10 +122,11 @@ def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
 def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     arguments = argparse.Namespace(quick=False, balance=True, conditions="", only=None, seeds=3)
     plan = fidelity.plan(arguments)
-    assert [(c[0], c[1]) for c in plan[:6]] == [
-        ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"), ("slow-host", "allreduce balanced"),
+    assert [(c[0], c[1]) for c in plan[:9]] == [
+        ("slow-host", "alone"), ("slow-host", "allreduce balanced"), ("slow-host", "alone"),
+        ("slow-host", "allreduce balanced"), ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"),
         ("slow-host", "async p4"), ("slow-host", "auto")]
-    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 12
+    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 18
     assert fidelity.seeded(arguments, []) == []
     cells = [dict(cell("ddp", "slow-host", [(40, 2.5), (80, 2.1)]), steady_samples_per_s=200.0),
              dict(cell("allreduce balanced", "slow-host", [(30, 2.3), (60, 2.1)]), steady_samples_per_s=285.0),
@@ -146,6 +147,14 @@ def test_a_steady_rate_leaves_the_first_quarter_of_the_time_out():
     ends = [0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert fidelity.steady_rate(ends, [16] * 8) == pytest.approx(16 * 6 / 6.0)
     assert fidelity.steady_rate([1.0], [16]) is None
+
+
+def test_a_steady_rate_leaves_out_the_intervals_that_held_an_evaluation():
+    # Steps of 16 samples each second, but the one ending at 6.0 waited 3 s more for rank 0's evaluation.
+    ends = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 10.0, 11.0, 12.0]
+    assert fidelity.steady_rate(ends, [16] * 10) == pytest.approx(16 * 6 / 9.0)  # from 3 s: 6 steps in 9 s
+    assert fidelity.steady_rate(ends, [16] * 10, pauses=[8.5]) == pytest.approx(16.0)
+    assert fidelity.steady_rate(ends, [16] * 10, pauses=[20.0]) == fidelity.steady_rate(ends, [16] * 10)
 
 
 def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_within_3_percent():
