@@ -24,9 +24,9 @@ Where a run never reaches the target its time is None, and a ratio over it is No
 
 `--balance` (issue 45, mixed hardware): under the slow-host conditions only (host 2 at half a core, and
 at a quarter, granted over 10 ms periods), the cluster's capacity (`alone`: each worker host runs the same
-loop with no exchange, both side by side; capacity is the sum of their samples/s, the median of three
-measurements) before, between and after two runs of `allreduce` balanced, then DDP, `allreduce`, `async` p4
-and `auto`. Each run's steady speed counts its steps after the
+loop with no exchange, both side by side; capacity is the sum of their samples/s) before, between and after two
+runs of `allreduce` balanced, then DDP, `allreduce`, `async` p4 and `auto`; each run is judged against the
+capacity measured nearest it (the mean of the measurements just before and after it). Each run's steady speed counts its steps after the
 first quarter of its time (balancing settles in its first measurements), leaving out the intervals that
 held a held-out evaluation (the capacity's loops evaluate nothing). Computed: `balanced_share_of_capacity` (host 2 at half
 a core; target >= 0.9) and `balanced_share_of_capacity_quarter`, with every configuration's share beside.
@@ -372,27 +372,38 @@ def headline(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
 
 
 def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Under each slow-host condition: the capacity (the hosts' summed speeds alone, side by side) and each
-    run's steady speed as a share of it; the issue's keys from those."""
+    """Under each slow-host condition: the capacity (the hosts' summed speeds alone, side by side; the median
+    of its measurements) and each configuration's share of it, the median over its runs of each run's
+    steady speed over the capacity measured nearest it in time (`nearest_capacity`); the issue's keys."""
     shares: dict[str, dict[str, float | None]] = {}
     capacity: dict[str, float | None] = {}
     for condition in SLOW_HOSTS:
-        alone = [c.get("samples_per_s") for c in cells if c["condition"] == condition and c["config"] == "alone"]
+        row = [c for c in cells if c["condition"] == condition]
+        alone = [c.get("samples_per_s") for c in row if c["config"] == "alone"]
         capacity[condition] = median_or_none(alone) if alone else None
         if not capacity[condition]:
             continue
-        for config in dict.fromkeys(c["config"] for c in cells if c["condition"] == condition):
-            if config == "alone":
-                continue
-            runs = [c for c in cells if c["condition"] == condition and c["config"] == config and c.get("curve")]
-            rates = [c.get("steady_samples_per_s") for c in runs]
-            rate = median_or_none(rates) if rates else None
-            shares.setdefault(condition, {})[config] = rate / capacity[condition] if rate else None
+        for config in dict.fromkeys(c["config"] for c in row if c["config"] != "alone"):
+            ratios = [c["steady_samples_per_s"] / nearest_capacity(row, index) for index, c in enumerate(row)
+                      if c["config"] == config and c.get("curve") and c.get("steady_samples_per_s")
+                      and nearest_capacity(row, index)]
+            shares.setdefault(condition, {})[config] = median_or_none(ratios) if ratios else None
     if not any(capacity.values()):
         return {}
     return {"capacity_samples_per_s": capacity, "share_of_capacity": shares,
-            "balanced_share_of_capacity": shares.get("slow-host", {}).get("allreduce balanced"),
-            "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get("allreduce balanced")}
+            "balanced_share_of_capacity": shares.get("slow-host", {}).get(BALANCED),
+            "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get(BALANCED)}
+
+
+def nearest_capacity(row: list[dict[str, Any]], index: int) -> float | None:
+    """The capacity when `row[index]` ran: the mean of the `alone` measurements just before and just after it
+    in the order measured (the one side where the other has none). The hosts' speed drifts over minutes
+    on a shared VM; a run is judged against what they could do around it, not an hour before."""
+    def first_alone(cells: list[dict[str, Any]]) -> float | None:
+        return next((c.get("samples_per_s") for c in cells if c["config"] == "alone"), None)
+
+    around = [v for v in (first_alone(row[index - 1::-1] if index else []), first_alone(row[index + 1:])) if v]
+    return statistics.mean(around) if around else None
 
 
 def thin_headline(cells: list[dict[str, Any]], parameters: int) -> dict[str, Any]:

@@ -142,6 +142,23 @@ def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     assert fidelity.balance_headline([c for c in cells if c["config"] != "alone"]) == {}
 
 
+def test_each_balanced_run_is_judged_against_the_capacity_measured_around_it():
+    def alone(rate):
+        return {"condition": "slow-host", "config": "alone", "seed": 0, "samples_per_s": rate}
+
+    def balanced(rate):
+        return dict(cell("allreduce balanced", "slow-host", [(30, 2.3)]), steady_samples_per_s=rate)
+
+    # The hosts slowed down during the second pair: each run against the capacity just before and after it.
+    cells = [alone(250.0), balanced(230.0), alone(200.0), balanced(190.0), alone(250.0),
+             dict(cell("ddp", "slow-host", [(30, 2.3)]), steady_samples_per_s=150.0)]
+    result = fidelity.balance_headline(cells)
+    assert result["capacity_samples_per_s"]["slow-host"] == 250.0  # the median of the three
+    assert result["balanced_share_of_capacity"] == pytest.approx((230 / 225 + 190 / 225) / 2)
+    assert result["share_of_capacity"]["slow-host"]["ddp"] == pytest.approx(150 / 250)  # the last one before it
+    assert fidelity.nearest_capacity(cells, 0) == 200.0 and fidelity.nearest_capacity(cells[1:2], 0) is None
+
+
 def test_a_steady_rate_leaves_the_first_quarter_of_the_time_out():
     # Steps of 16 samples ending each second for 8 s, after a slow first one: 0-2 s is the first quarter.
     ends = [0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
