@@ -42,7 +42,7 @@ def test_a_slow_rank_gets_a_smaller_share_and_each_update_is_the_whole_batchs(wi
 
 def test_balanced_updates_under_adamw_are_the_whole_batchs_up_to_rounding():
     # AdamW scales each coordinate by its own running magnitude, so it amplifies what the cut changes in
-    # the gradients' rounding more than SGD: still the same updates (the GPT on the lab, 12 steps with a
+    # the gradients' rounding more than SGD: still the same updates (the GPT over gloo, 12 steps with a
     # cut of 22-24 of 64: 1e-6 of the weights' norm apart from plain allreduce's).
     the_job = job(steps=20, optimizer="adamw", lr=3e-3, momentum=0.0)
     run = train_in_process(the_job, "allreduce", WORLD, sample_delays={1: 0.003}, balance=True, rebalance_every=5)
