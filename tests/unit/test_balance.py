@@ -113,6 +113,22 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
     assert balance.shares == [24, 8]
 
 
+def test_one_stalled_step_does_not_swing_the_cut(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: now[0])
+    balance = BatchBalance(rank=0, world_size=2, batch_size=16, every=4)
+    for compute_s in (1.0, 1.0, 10.0, 1.0):  # the first step is not measured; the third stalled for 9 s
+        balance.share()
+        now[0] += compute_s
+        balance.computed()
+        balance.exchanged()
+        balance.stepped()
+    assert balance.due and balance.rebalance(Gather({1: [16 / 3.0, 0.0]}, rank=0))
+    # Rank 0's median step: 16 samples a second against rank 1's 16/3, a cut of 24/8 (a mean over the three,
+    # 48 samples in 12 s, would have cut 14/18, the fast rank taking the smaller share).
+    assert balance.shares == [24, 8]
+
+
 def test_a_rank_that_measured_nothing_keeps_the_cut():
     balance = BatchBalance(rank=0, world_size=2, batch_size=8, every=1)
     assert not balance.rebalance(Gather({1: [10.0, 0.0]}, rank=0))

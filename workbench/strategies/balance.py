@@ -2,7 +2,9 @@
 `allreduce` and `average`).
 
 Each rank times its own compute (from the start of a step to its gradients being ready) per sample, and
-what its step costs whatever its share (the optimizer step, from the exchange's end to `after_step`).
+what its step costs whatever its share (the optimizer step, from the exchange's end to `after_step`), each
+as the median over the steps measured: one stalled step (a pause of the process, a busy moment of the
+machine) would otherwise pull a mean over the few steps of a window, and the cut with it.
 Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
 the ranks share those measurements, and each computes the same new cut of the global batch
 (`sharding.balanced_shares`): a worker twice as fast takes about twice the samples, so the ranks' steps
@@ -11,6 +13,7 @@ under `allreduce` each update is the one a single process would make on the same
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -36,11 +39,10 @@ class BatchBalance:
         self.total = batch_size * world_size
         self.shares = [batch_size] * world_size
         self._started: float | None = None
-        self._samples = 0
-        self._compute_s = 0.0
-        self._fixed_s = 0.0  # optimizer steps measured, from the exchange's end to `after_step`
+        self._rates: list[float] = []  # samples/s of each step's compute measured since the last rebalance
+        self._fixed_s: list[float] = []  # each step's optimizer step, from the exchange's end to `after_step`
         self._free_at: float | None = None
-        self._steps = 0  # measured since the last rebalance: the same count on every rank
+        self._steps = 0  # measured since the last rebalance: the same count on every rank, whatever it timed
         self._measured = False  # no rebalance yet: the first takes the whole step
         # The first step after a start (or a reset) is not measured: it pays one-off costs (allocation, the
         # first collectives), and the first cut, taken whole from 3 steps, swung by it (seen in the tests).
@@ -62,8 +64,8 @@ class BatchBalance:
             self._warm, self._started = True, None
         elif self._started is not None:
             now = time.perf_counter()
-            self._compute_s += now - self._started
-            self._samples += self.shares[self.rank]
+            if now > self._started:
+                self._rates.append(self.shares[self.rank] / (now - self._started))
             self._started, self._free_at = None, now
             self._steps += 1
 
@@ -76,7 +78,7 @@ class BatchBalance:
     def stepped(self) -> None:
         """At `after_step`: the optimizer has stepped, in a time no share changes."""
         if self._free_at is not None:
-            self._fixed_s += time.perf_counter() - self._free_at
+            self._fixed_s.append(time.perf_counter() - self._free_at)
             self._free_at = None
 
     @property
@@ -88,10 +90,10 @@ class BatchBalance:
     def rebalance(self, comm: Any) -> bool:
         """Share the measurements and cut anew: every rank at the same step. Returns whether the shares
         changed."""
-        own = ([self._samples / self._compute_s, self._fixed_s / self._steps] if self._compute_s > 0 and self._steps
-               else [0.0, 0.0])
+        own = ([statistics.median(self._rates), statistics.median(self._fixed_s) if self._fixed_s else 0.0]
+               if self._rates else [0.0, 0.0])
         measured = [(float(rate), float(fixed)) for rate, fixed in comm.all_gather_json(own)]
-        self._samples, self._compute_s, self._fixed_s, self._steps = 0, 0.0, 0.0, 0
+        self._rates, self._fixed_s, self._steps = [], [], 0
         if min(rate for rate, _ in measured) <= 0:  # a rank measured nothing yet (it joined): keep the cut
             return False
         step_size = REBALANCE_STEP if self._measured else 1.0
@@ -109,5 +111,5 @@ class BatchBalance:
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._samples, self._compute_s, self._fixed_s, self._steps = 0, 0.0, 0.0, 0
+        self._rates, self._fixed_s, self._steps = [], [], 0
         self._started, self._free_at, self._measured, self._warm = None, None, False, False
