@@ -24,12 +24,13 @@ Where a run never reaches the target its time is None, and a ratio over it is No
 
 `--balance` (issue 45, mixed hardware): under the slow-host conditions only (host 2 at half a core, and
 at a quarter, granted over 10 ms periods), the cluster's capacity (`alone`: each worker host runs the same
-loop with no exchange, both side by side; capacity is the sum of their samples/s) before, between and after two
-runs of `allreduce` balanced, then DDP, `allreduce`, `async` p4 and `auto`; each run is judged against the
-capacity measured nearest it (the mean of the measurements just before and after it). Each run's steady speed counts its steps after the
-first quarter of its time (balancing settles in its first measurements), leaving out the intervals that
-held a held-out evaluation (the capacity's loops evaluate nothing). Computed: `balanced_share_of_capacity` (host 2 at half
-a core; target >= 0.9) and `balanced_share_of_capacity_quarter`, with every configuration's share beside.
+loop with no exchange, both side by side; capacity is the sum of their samples/s) before, between and after
+two runs of `allreduce` balanced, then DDP, `allreduce`, `async` p4 and `auto`; each run is judged against
+the capacity measured nearest it (the mean of the measurements just before and after it). Each run's steady
+speed counts its steps after the first quarter of its time (balancing settles in its first measurements),
+leaving out the intervals that held a held-out evaluation (the capacity's loops evaluate nothing).
+Computed: `balanced_share_of_capacity` (host 2 at half a core; target >= 0.9) and
+`balanced_share_of_capacity_quarter`, with every configuration's share beside.
 
 `--thin` (issue 45, links ten times thinner): DDP on the unlimited link (at equal samples the link changes
 no loss, only the time), then `average` p16 (plain averaging: the grid's best at 256 steps) whole in float32,
@@ -276,8 +277,8 @@ def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str,
     ordered = frame.sort_values("time") if len(frame) else frame
     evaluated = [e["time"] for e in run.events("eval")]
     # Each worker's own steps (its intervals), the workers' speeds summed.
-    rates = [steady_rate(list(steps["time"]), list(steps["samples"]), evaluated) for _, steps in ordered.groupby("worker")] \
-        if len(frame) else []
+    rates = [steady_rate(list(steps["time"]), list(steps["samples"]), evaluated)
+             for _, steps in ordered.groupby("worker")] if len(frame) else []
     steady = sum(rates) if rates and None not in rates else None
     # What one exchange sends per worker, as sent: the median over the records that sent anything (a
     # sparse run's last average is whole, once).
@@ -384,9 +385,9 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
         if not capacity[condition]:
             continue
         for config in dict.fromkeys(c["config"] for c in row if c["config"] != "alone"):
-            ratios = [c["steady_samples_per_s"] / nearest_capacity(row, index) for index, c in enumerate(row)
-                      if c["config"] == config and c.get("curve") and c.get("steady_samples_per_s")
-                      and nearest_capacity(row, index)]
+            runs = [(c["steady_samples_per_s"], nearest_capacity(row, index)) for index, c in enumerate(row)
+                    if c["config"] == config and c.get("curve") and c.get("steady_samples_per_s")]
+            ratios = [rate / around for rate, around in runs if around]
             shares.setdefault(condition, {})[config] = median_or_none(ratios) if ratios else None
     if not any(capacity.values()):
         return {}
@@ -587,7 +588,8 @@ def main() -> None:
                      "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
                      "budget": f"{steps} steps per worker ({steps * BATCH * 2} samples) for every run",
                      "eval_every": EVAL_EVERY, "eval_windows": EVAL_WINDOWS, "quick": arguments.quick,
-                     "slow_host": f"host 2 at 0.5 core, host 1 at 1.0 (over {SLOW_HOST_PERIOD_MS} ms periods), unlimited link", "worker_hosts": 2,
+                     "slow_host": f"host 2 at 0.5 core, host 1 at 1.0 (over {SLOW_HOST_PERIOD_MS} ms periods), "
+                                  "unlimited link", "worker_hosts": 2,
                      "seeds": (1 if arguments.quick else arguments.seeds, SEEDED_CONDITION,
                                "DDP, average p64 outer, auto and the best fixed configuration there")},
         "cells": [],

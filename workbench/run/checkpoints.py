@@ -127,8 +127,9 @@ class CheckpointStore:
         kept = []
         for address in addresses:  # one by one: a worker lost meanwhile costs only its own copy
             try:
-                futures.append(scatter_to_each(client, checkpoint, [address], timeout_s)[address])
-                futures.append(client.submit(checkpoints.keep_copy, run_id, futures[0], workers=[address],
+                sent = scatter_to_each(client, checkpoint, [address], timeout_s)[address]
+                futures.append(sent)
+                futures.append(client.submit(checkpoints.keep_copy, run_id, sent, workers=[address],
                                              allow_other_workers=False, pure=False))
                 if futures[-1].result(timeout=timeout_s):
                     kept.append(address)
