@@ -180,8 +180,6 @@ class Average(Strategy):
         if self.exchange is not None:
             global_weights, buffer = self._outer_step(self._arrived())
             carried.weights = delayed_apply(carried.weights, self.exchange.snapshot, global_weights)
-        if self.feedback is not None:  # a worker's progress not sent yet is its own too
-            carried.weights = carried.weights + self.feedback.residual
         scale = self._scale()
         if scale is not None:  # balanced: each worker's progress counts for its share of the samples
             carried.weights = global_weights + (carried.weights - global_weights) * scale
@@ -253,12 +251,11 @@ class Average(Strategy):
     def finish(self, context: TrainingContext) -> None:
         if self.exchange is not None:
             self._land()
-        sparse = self.feedback is not None
-        self._fold_residual()
-        # Progress not averaged yet (after landing, the progress since it started; under a sparse exchange
-        # always what it held back): the last average is whole. Decided on what every rank shares, never on
-        # its own residual, so that all ranks make that collective or none.
-        if sparse or self.steps_since_sync > 0:
+        # Progress not averaged yet (after landing, the progress since it started): the last average is
+        # whole. Decided on what every rank shares, so that all ranks make that collective or none. A sparse
+        # exchange's residual is not averaged in: it is its error feedback, which plays the outer momentum's
+        # part (SparseLoCo), not progress owed (`sparse_outer`).
+        if self.steps_since_sync > 0:
             self._synchronise(context, whole=True)
 
     def common_base(self, context: TrainingContext) -> torch.Tensor | None:
@@ -267,16 +264,7 @@ class Average(Strategy):
         # model-sized exchange: measured 1.2-2.3 s of a 2.8 s switch to easgd at 20 Mbit/s).
         if self.exchange is not None:
             self._land()
-        self._fold_residual()
         return self.global_weights
-
-    def _fold_residual(self) -> None:
-        """Put what a sparse exchange held back into this worker's weights (its own progress again), as the
-        next exchange would have sent it."""
-        if self.feedback is not None:
-            weights = flatten(self.parameters) + self.feedback.residual
-            unflatten_into(weights, [p.data for p in self.parameters])
-            self.feedback.residual.zero_()
 
     def close(self) -> None:
         # Nothing to wait for: every normal exit has landed the exchange in `finish`; after a failure the
