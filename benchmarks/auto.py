@@ -12,11 +12,13 @@ after the fact. Each run also reports its throughput and mean staleness under ea
 with, which tells a strategy that is slow from one that learns less per sample. A
 fixed configuration stops once it has run `--cap` times the best fixed time seen so far in its condition
 (it cannot be the best; reported as "over N s"). The last line printed is one JSON object, also written to
-`benchmarks/results/auto-<label>.json` (rewritten after every run, `complete` false until the last), with
-`worst_time_vs_best_fixed` (auto's largest ratio to the best fixed strategy over the conditions) and
-`changing_link_time_vs_best_fixed`. A worker host whose worker did not rejoin gets a fresh one.
+`benchmarks/results/<machine class>/auto.json` (or `--out`; rewritten after every run, `complete` false
+until the last), with `worst_time_vs_best_fixed` (auto's largest ratio to the best fixed strategy over the
+conditions) and `changing_link_time_vs_best_fixed`. A worker host whose worker did not rejoin gets a fresh
+one. Its throughput against every fixed configuration of the network benchmark, condition by condition, is
+that benchmark's `auto` row.
 
-    python benchmarks/auto.py [--repeats 1] [--target 0.95] [--lr-scale 0.005] [--label cpu-2core]
+    python benchmarks/auto.py [--repeats 1] [--target 0.95] [--lr-scale 0.005] [--out FILE]
 
 Why the lr is scaled: at the suggested lr every configuration reaches 0.9-0.97 on `digits` in 1-10 s
 (tried 2026-11-24), before `auto` has judged its first three windows (6 s). A smaller lr makes a job of
@@ -25,11 +27,9 @@ about a minute, the stand-in for the longer jobs `auto` is for; every configurat
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,8 +40,12 @@ from typing import Any
 
 import cloudpickle
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultfile  # noqa: E402
+
 log = logging.getLogger("workbench.run.autopilot")  # --verbose: beside auto's judgements, on one clock
-RESULTS = Path(__file__).resolve().parent / "results"
+LAB_DESCRIPTION = ("shared VM; hosts are network namespaces on one bridge, links shaped by tbf (no added delay), "
+                   "the slow host by a cgroup v1 CPU quota")
 CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
            ("average p64", "average", {"period": 64, "overlap": True}),
            ("async p4", "async", {"push_every": 4, "shards": 2}), ("easgd p16", "easgd", {"period": 16}),
@@ -190,7 +194,11 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: li
             reactions.append({"decided_s": round(after[0]["after_s"] - fell, 1),
                               "took_effect_s": round(effective - fell, 1) if effective is not None else None})
     known = [r for r in ratios.values() if r is not None]
-    return {"machine": f"{platform.machine()}, 2 worker hosts on one VM", "date": datetime.date.today().isoformat(),
+    settings = {"target": arguments.target, "repeats": arguments.repeats, "lr_scale": arguments.lr_scale,
+                "hidden": arguments.hidden, "max_s": arguments.max_s, "cap": arguments.cap,
+                "change_after_s": arguments.change_after_s, "conditions": conditions,
+                "configs": [n for n, _, _ in CONFIGS if n in arguments.configs.split(",")]}
+    return {**resultfile.document("auto", settings, LAB_DESCRIPTION),
             "complete": complete, "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
             "worst_time_vs_best_fixed": max(known) if known and len(known) == len(ratios) else None,
             "changing_link_time_vs_best_fixed": ratios.get("changing"),
@@ -199,12 +207,9 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: li
             "lr_scale": arguments.lr_scale, "hidden": arguments.hidden}
 
 
-def save(result: dict[str, Any], label: str) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"auto-{label}.json"
-    staged = path.with_suffix(".json.tmp")  # atomic: a run stopped mid-write keeps the last whole file
-    staged.write_text(json.dumps(result, indent=1))
-    staged.replace(path)
+def save(result: dict[str, Any], out: str | None) -> None:
+    # Atomic (resultfile.write): a run stopped mid-write keeps the last whole file.
+    resultfile.write(Path(out or resultfile.path_for("auto")), result)
 
 
 def main() -> None:
@@ -219,7 +224,7 @@ def main() -> None:
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--configs", default=",".join(name for name, _, _ in CONFIGS),
                         help="which configurations to run (a subset: e.g. auto alone after a change to it)")
-    parser.add_argument("--label", default="cpu-2core")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/auto.json)")
     parser.add_argument("--verbose", action="store_true", help="log what each of auto's judgements saw")
     arguments = parser.parse_args()
     if arguments.verbose:
@@ -260,11 +265,11 @@ def main() -> None:
                           f"link fell at {result['link_changed_after_s']} s {result['throughput']}", flush=True)
                     if arguments.verbose:
                         print(f"switched: {result['switched']}", flush=True)
-                    save(summarize(cells, conditions, arguments, complete=False), arguments.label)
+                    save(summarize(cells, conditions, arguments, complete=False), arguments.out)
         client.close()
 
     result = summarize(cells, conditions, arguments, complete=True)
-    save(result, arguments.label)
+    save(result, arguments.out)
     print(f"\n{'condition':10s} " + " ".join(f"{name:>12s}" for name, _, _ in CONFIGS) + "   auto/best")
     for condition, row in result["conditions"].items():
         cells_text = " ".join(f"{row['seconds'][name]:12.1f}" if row["seconds"][name] is not None else f"{'-':>12s}"

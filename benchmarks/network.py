@@ -27,6 +27,13 @@ batch 128 per worker, eval every 5 steps on worker 0) at 100 Mbit/s: PyTorch DDP
 configuration with the highest median throughput at 100 Mbit/s in the grid (the first listed when the
 grid did not run at that rate), each with its strategy's suggested SGD settings.
 
+`auto` is a row of the grid too, judged against every fixed row: its warm-up lasts until it has settled
+under the condition (`AutoSettled`: three windows judged in a row without a move), and its window then
+measures what it settled on (moves inside the window count against it). Per condition, its median rate
+over the best fixed row's median, the same ratio repeat by repeat (the spread), and what it chose
+(`auto_vs_best_fixed`; headline: the worst condition's ratio). The catalog runs every row under the
+straggler too (`--all-straggler`), so that auto meets the whole fixed set in every condition.
+
 Configurations are a table of (name, strategy, settings); one whose settings this version of the
 workbench rejects (a ConfigError naming a setting of the table) is skipped with a note, so the same
 script measures options added later. The last line printed is one JSON object; the full result goes to
@@ -90,8 +97,13 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
                                           "topk_ratio": 0.01}),
     ("ssp p4", "ssp", {"push_every": 4}),
     ("easgd p16", "easgd", {"period": 16}),
+    # Not fixed: it measures, chooses among the rows above and switches as the condition changes. Judged
+    # against the best of the fixed rows in each condition (`auto_against_fixed`), on its settled speed.
+    ("auto", "auto", {}),
 ]
-QUICK_CONFIGS = ("allreduce", "average p16", "async p4", "async topk1% p4", "ssp p4", "easgd p16")
+QUICK_CONFIGS = ("allreduce", "average p16", "async p4", "async topk1% p4", "ssp p4", "easgd p16", "auto")
+AUTO = "auto"
+AUTO_SETTLED_WINDOWS = 3  # windows judged in a row under the condition, none moving, before auto is measured
 
 
 # --- the processes on the worker hosts (plain loop, PyTorch DDP) --------------------------------------------
@@ -470,10 +482,10 @@ class Cells:
         run = workbench.train(job, strategy, client=self.client, run_dir=self.scratch / "runs",
                               checkpoint_every_s=None, workers=self.workers, **settings)
         try:
-            cycle = cycle_steps(strategy, settings)
-            window = self._time_box(run, cycle)
+            # auto's cycle is that of what it settles on, known once the warm-up has let it settle.
+            window = self._time_box(run, None if strategy == AUTO else cycle_steps(strategy, settings))
             if "window" in window:
-                self._wait_past(run, window["window"][1], cycle)
+                self._wait_past(run, window["window"][1], window["cycle"])
         finally:
             stopping = time.time()
             self._finish(run)
@@ -482,7 +494,7 @@ class Cells:
             return {"error": window.get("error") or trouble}
         overheads = {"start_s": window["window"][0] - began, "stop_s": time.time() - stopping}
         started, ended = window["window"]
-        rates, inside = window_steps(run.metrics, started, ended, cycle)
+        rates, inside = window_steps(run.metrics, started, ended, window["cycle"])
         record: dict[str, Any] = {"samples_per_s": sum(rates.values()), "per_worker": rates,
                                   "slowest_worker_samples_per_s": min(rates.values()) if rates else 0.0,
                                   "steps": {int(w): int(n) for w, n in inside.groupby("worker").size().items()},
@@ -506,10 +518,15 @@ class Cells:
         link = window_link(inside, strategy)
         if link is not None:  # what the link alone allowed in the window, and the share of it reached
             record["link"] = link
+        if strategy == AUTO:
+            record["auto"] = auto_choices(run.events("auto-decision"), began, window)
         return record
 
-    def _time_box(self, run: Any, cycle: int) -> dict[str, Any]:
-        """Warm-up, then the window; returns {'window': (start, end)} in wall-clock seconds.
+    def _time_box(self, run: Any, cycle: int | None) -> dict[str, Any]:
+        """Warm-up, then the window; returns {'window': (start, end)} in wall-clock seconds and the cycle.
+
+        `cycle` None: the run is `auto`'s. Its warm-up lasts until it has settled under the condition
+        (`AutoSettled`), at most --auto-settle-s; the cycle is then that of the strategy it settled on.
 
         A strategy that exchanges every `cycle` steps trains in bursts between exchanges; on a slow link
         one burst and wait can outlast the window. So the warm-up lasts at least two cycles (the first
@@ -519,7 +536,7 @@ class Cells:
         a = self.arguments
         workers = len(run.worker_addresses)
         deadline = time.monotonic() + a.start_timeout_s
-        applied, at_apply = None, {}
+        applied, at_apply, settled = None, {}, None
         while True:
             if run.done:
                 return {"error": f"the run ended during warm-up ({run.status}): {run.error}"}
@@ -527,6 +544,16 @@ class Cells:
             if len(latest) == workers and applied is None:
                 set_condition(self.lab, self.condition)
                 applied, at_apply = time.monotonic(), {w: r["step"] for w, r in latest.items()}
+                if cycle is None:
+                    settled = AutoSettled(run.auto_pilot, AUTO_SETTLED_WINDOWS)
+                    deadline = applied + a.auto_settle_s
+            elif settled is not None:
+                if settled():  # then the warm-up of what it settled on, as for a fixed configuration
+                    cycle, settled = cycle_steps(run.strategy, run.settings), None
+                    applied, at_apply = time.monotonic(), {w: r["step"] for w, r in latest.items()}
+                    deadline = applied + a.start_timeout_s
+                elif time.monotonic() > deadline:
+                    return {"error": f"auto did not settle within {a.auto_settle_s:g} s"}
             elif applied is not None:
                 done = min(latest[w]["step"] - at_apply[w] for w in at_apply)
                 # Two exchanges under the condition: with overlap, the first one's reply (its staleness)
@@ -548,7 +575,7 @@ class Cells:
             latest = run.table.last_steps()
             cycles_done = all(latest[w]["step"] - at_start[w] >= a.min_cycles * cycle for w in at_start)
             if elapsed >= a.max_window_s or (elapsed >= a.window_s and cycles_done):
-                return {"window": (started, time.time())}
+                return {"window": (started, time.time()), "cycle": cycle}
             time.sleep(0.05)
 
     def ensure_workers(self) -> None:
@@ -625,7 +652,9 @@ class Cells:
         import workbench
         from workbench.strategies import suggested_sgd
 
-        sgd = suggested_sgd(strategy)
+        from workbench.run.autopilot import START
+
+        sgd = suggested_sgd(START if strategy == AUTO else strategy)  # auto starts with START's
         self.ensure_workers()
         job = workbench.Job(model=workbench.mlp(*TARGET_MODEL), data="digits", batch_size=BATCH, epochs=100_000,
                             eval_every=EVAL_EVERY, seed=0, **sgd)
@@ -657,6 +686,44 @@ class Cells:
                       for _, r in evaluations.iterrows()] if not evaluations.empty else []
         return {"seconds": float(hit["time"] - origin) if hit is not None else None,
                 "steps": int(hit["step"]) if hit is not None else None, "evaluations": trajectory, **sgd}
+
+
+class AutoSettled:
+    """A condition: `auto` has settled under the condition set when this was made. It has judged
+    `windows` windows since then, as many since its last move, and holds no choice waiting to be
+    confirmed. The first window can straddle the change, and a move begun on the old condition is not
+    the answer to the new one (the lab test of auto waits the same way)."""
+
+    def __init__(self, pilot: Any, windows: int) -> None:
+        self.pilot, self.windows = pilot, windows
+        self.decisions, self.since = pilot.decisions, pilot.judged
+
+    def __call__(self) -> bool:
+        if self.pilot.decisions != self.decisions:
+            self.decisions, self.since = self.pilot.decisions, self.pilot.judged
+        return self.pilot.judged - self.since >= self.windows and not self.pilot.chooser.pending
+
+
+def auto_choices(decisions: list[dict[str, Any]], began: float, window: dict[str, Any]) -> dict[str, Any]:
+    """What `auto` trained with in its cell's window, and the moves it made (seconds from the cell's start;
+    `in_window`: moves inside the window, which its rate then includes)."""
+    from workbench.run.autopilot import START
+
+    started, ended = window["window"]
+    before = [d for d in decisions if d["time"] < started]
+    chose = (before[-1]["to"], before[-1].get("settings") or {}) if before else (START, {})
+    return {"strategy": chose[0], "settings": chose[1], "name": config_name(*chose),
+            "moves": [{"s": round(d["time"] - began, 1), "to": d["to"], "settings": d.get("settings") or {},
+                       "reason": d.get("reason", "")[:200]} for d in decisions],
+            "in_window": sum(started <= d["time"] <= ended for d in decisions)}
+
+
+def config_name(strategy: str, settings: dict[str, Any]) -> str:
+    """The name of the fixed row with these settings, else the strategy and its settings spelt out."""
+    for name, fixed, values in CONFIGS:
+        if fixed == strategy and values == settings:
+            return name
+    return " ".join([strategy] + [f"{k}={v}" for k, v in sorted(settings.items())])
 
 
 def cycle_steps(strategy: str, settings: dict[str, Any]) -> int:
@@ -773,6 +840,9 @@ def runnable_configs(only: str | None, quick: bool) -> tuple[list[tuple[str, str
         if only and not any(word in name for word in only.split(",")):
             continue
         if quick and not only and name not in QUICK_CONFIGS:
+            continue
+        if strategy == AUTO:  # takes no settings; train() says so if that changes
+            chosen.append((name, strategy, settings))
             continue
         try:
             make_settings(strategy, settings)
@@ -891,6 +961,54 @@ def headline(table: dict[str, Any], names: list[str], time_to_target: dict[str, 
     return result
 
 
+def auto_against_fixed(table: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per condition: `auto`'s median rate over that of the best fixed configuration there (the highest
+    median of every fixed row measured in the condition), the same ratio repeat by repeat (its spread),
+    and what auto settled on. Headline: the worst condition's median ratio."""
+    per_condition: dict[str, Any] = {}
+    for condition, entry in table.get(AUTO, {}).items():
+        fixed = {name: row[condition]["samples_per_s"] for name, row in table.items()
+                 if name not in (AUTO, "ddp") and row.get(condition, {}).get("samples_per_s") is not None}
+        if not fixed or entry.get("samples_per_s") is None:
+            continue
+        best = max(fixed, key=fixed.get)
+        rate = lambda name, repeat: next((c["samples_per_s"] for c in cells  # noqa: E731
+                                          if c["config"] == name and c["condition"] == condition
+                                          and c["repeat"] == repeat and "error" not in c), None)
+        repeats = sorted({c["repeat"] for c in cells if c["config"] == AUTO and c["condition"] == condition})
+        ratios = [rate(AUTO, r) / rate(best, r) for r in repeats if rate(AUTO, r) and rate(best, r)]
+        chose = [c["auto"]["name"] for c in cells if c["config"] == AUTO and c["condition"] == condition
+                 and "auto" in c]
+        per_condition[condition] = {
+            "best_fixed": best, "best_fixed_samples_per_s": fixed[best], "auto_samples_per_s": entry["samples_per_s"],
+            "vs_best_fixed": entry["samples_per_s"] / fixed[best],
+            "per_repeat": ratios, "spread": [min(ratios), max(ratios)] if ratios else None,
+            "rank": 1 + sum(v > entry["samples_per_s"] for v in fixed.values()), "of": len(fixed), "chose": chose}
+    result: dict[str, Any] = {"auto_vs_best_fixed": per_condition}
+    if per_condition:
+        worst = min(per_condition, key=lambda c: per_condition[c]["vs_best_fixed"])
+        result.update(auto_worst_vs_best_fixed=per_condition[worst]["vs_best_fixed"], auto_worst_condition=worst,
+                      auto_median_vs_best_fixed=statistics.median(e["vs_best_fixed"] for e in per_condition.values()))
+    return result
+
+
+def auto_table(result: dict[str, Any]) -> str:
+    """The page's table of auto against the best fixed configuration, condition by condition."""
+    rows = result.get("auto_vs_best_fixed") or {}
+    if not rows:
+        return ""
+    lines = ["`auto` against the best fixed configuration of the condition (medians; the spread is the ratio "
+             "repeat by repeat; what auto settled on, each repeat):", "",
+             "| condition | best fixed | samples/s | auto samples/s | auto vs best | spread | rank | auto chose |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
+    for condition, e in rows.items():
+        spread = "-" if not e["spread"] else f"{e['spread'][0]:.2f}-{e['spread'][1]:.2f}"
+        lines.append(f"| {condition} | {e['best_fixed']} | {e['best_fixed_samples_per_s']:,.0f} | "
+                     f"{e['auto_samples_per_s']:,.0f} | {e['vs_best_fixed']:.2f} | {spread} | "
+                     f"{e['rank']} of {e['of'] + 1} | {', '.join(e['chose'])} |")
+    return "\n".join(lines)
+
+
 LAB_DESCRIPTION = ("shared VM; hosts are network namespaces on one bridge, links shaped by tbf (no added delay), "
                    "the slow host by a cgroup v1 CPU quota")
 
@@ -956,6 +1074,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--target-repeats", type=int, default=1)
     parser.add_argument("--no-time-to-target", action="store_true")
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
+    parser.add_argument("--auto-settle-s", type=float, default=120.0,
+                        help="auto's cell fails when it has not settled this long after its condition was set")
     parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/network.json; "
                                                     "--quick saves only where --out says)")
     parser.add_argument("--no-save", action="store_true", help="print only")
@@ -1052,7 +1172,8 @@ def main() -> None:
     print_table(table, conditions)
     if time_to_target:
         print_time_to_target(time_to_target, arguments.target)
-    result = headline(table, [n for n in names if n != "ddp"], time_to_target)
+    result = headline(table, [n for n in names if n not in ("ddp", AUTO)], time_to_target)
+    result.update(auto_against_fixed(table, cells))
     loads = [c["loadavg_before"][0] for c in cells]
     result.update(plain_samples_per_s=plain_median, minutes=round(elapsed / 60, 1),
                   loadavg_1min_median=statistics.median(loads) if loads else None,

@@ -113,6 +113,10 @@ def _section(machine: str, benchmark: catalog.Benchmark, path: Path) -> list[str
         lines += [fidelity.table(result), ""]
     else:
         lines += _cells(result, benchmark) + [""]
+    if benchmark.script == "network.py" and result.get("auto_vs_best_fixed"):
+        import network
+
+        lines += [network.auto_table(result), ""]
     return lines
 
 
