@@ -111,6 +111,10 @@ def _section(machine: str, benchmark: catalog.Benchmark, path: Path) -> list[str
         import fidelity
 
         lines += [fidelity.table(result), ""]
+    elif benchmark.script == "simulator.py":
+        import simulator
+
+        lines += [simulator.markdown_table(result), ""]
     else:
         lines += _cells(result, benchmark) + [""]
     if benchmark.script == "network.py" and result.get("auto_vs_best_fixed"):

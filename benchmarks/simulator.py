@@ -18,21 +18,20 @@ apart from the copies that share backward's core, a modelled split (`simulate.ca
 2026-11-25 grid it put one step's compute at 17.2 ms where the grid's `average` steps between syncs took
 18.1-19.4, and the median prediction came out 7.5% high. Such a run is measured in every repetition and
 the one of median throughput used. The simulator sees nothing of the grid's results (only how long each
-cell's run had trained at the middle of its window: SSP's bound takes time to bind). The JSON under
-`benchmarks/results/simulator-<label>.json` keeps the calibration runs' step records and every point,
-so the predictions can be made again without the lab (`--from FILE`, e.g. after a change to the model;
-the document then says `predicted_again`).
+cell's run had trained at the middle of its window: SSP's bound takes time to bind). The result,
+`benchmarks/results/<machine class>/simulator.json` (or `--out`), keeps the calibration runs' step records
+and every point, so the predictions can be made again without the lab (`--from FILE`, e.g. after a change
+to the model; written back into FILE unless `--out`, and the document then says `predicted_again`).
 
     python benchmarks/simulator.py [--hosts 2,3,4] [--rates unlimited,1gbit,100mbit] [--no-straggler] [--only ssp]
                                    [--repeats 3] [--window-s 8] [--quick] [--calibrate-with 'average p4']
-                                   [--from benchmarks/results/simulator-....json]
+                                   [--from benchmarks/results/cpu-2core/simulator.json] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -45,8 +44,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # the network benchmark's measuring code, beside this file
 
 import network  # noqa: E402
+import resultfile  # noqa: E402
 
-RESULTS = HERE.parent / "results"
 STRAGGLER = "straggler"  # the condition's name: the last worker host at STRAGGLER_SHARE of a core
 STRAGGLER_SHARE = 0.5
 RATES = ("unlimited", "1gbit", "100mbit")
@@ -156,8 +155,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                 set_condition(lab, "unlimited")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"date": datetime.date.today().isoformat(), "machine": network.machine(),
-            "settings": {"hosts": hosts, "conditions": conditions, "repeats": arguments.repeats,
+    return {**resultfile.document("simulator", {"hosts": hosts, "conditions": conditions, "repeats": arguments.repeats,
                          "window_s": arguments.window_s,
                          "warmup_s": arguments.warmup_s, "warmup_steps": arguments.warmup_steps,
                          "max_window_s": arguments.max_window_s, "min_cycles": arguments.min_cycles,
@@ -168,6 +166,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                          "calibration_runs": "2 worker hosts, unlimited link, once per repetition in every lab",
                          "crowding_probes": f"{arguments.crowding_processes} plain training processes side by "
                          f"side, {arguments.crowding_window_s:g} s, once per repetition in every lab"},
+                                  network.LAB_DESCRIPTION),
             "measured_minutes": round((time.time() - started) / 60, 1),
             "calibration_runs": calibration_runs, "crowding_probes": [p for p in crowding if p], "cells": cells}
 
@@ -480,9 +479,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
-    parser.add_argument("--label", default=None, help="JSON to benchmarks/results/simulator-LABEL.json "
-                                                      "(default cpu-<cores>core-<date>, with --from the file read; "
-                                                      "--quick saves only with one)")
+    parser.add_argument("--out", default=None, help="the result file (default: results/<machine class>/"
+                                                    "simulator.json; with --from the file read; --quick saves "
+                                                    "only where --out says)")
     parser.add_argument("--from", dest="source", default=None,
                         help="predict again from a saved result's calibration records and points (no lab)")
     parser.add_argument("--calibrate-with", default=CALIBRATION_RUNS[0][0],
@@ -519,12 +518,13 @@ def main() -> None:
             "max_staleness_error")}}
     print_table(document)
     print("\n" + markdown_table(document))
-    label = arguments.label or f"cpu-{os.cpu_count()}core-{document['date']}"
-    if arguments.source or not (arguments.quick and arguments.label is None):
-        # Predicted again: back into the file it came from, unless a label names another. (By the default
-        # label, two files measured the same day wrote each other's name: one was lost, 2026-11-25.)
-        path = Path(arguments.source) if arguments.source and not arguments.label else RESULTS / f"simulator-{label}.json"
-        path.write_text(json.dumps(network._rounded(document), indent=1) + "\n")
+    older = arguments.source and any(key not in document for key in resultfile.PROVENANCE)
+    if older:  # a grid from before the current layout names no commit: predicted again, printed only
+        print(f"\n{arguments.source} predates the result layout (no commit in it): printed, not written")
+    elif arguments.source or arguments.out or not arguments.quick:
+        # Predicted again: back into the file it came from, unless --out names another.
+        path = Path(arguments.out or arguments.source or resultfile.path_for("simulator"))
+        resultfile.write(path, network._rounded(document))
         print(f"\nwritten to {path}")
     summary = {k: document[k] for k in ("max_throughput_error", "max_throughput_error_at", "median_throughput_error",
                                         "points_within_15pct", "max_staleness_error", "max_staleness_error_at")}
