@@ -42,10 +42,9 @@ import cloudpickle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import resultfile  # noqa: E402
+from network import LAB_DESCRIPTION  # noqa: E402  (the lab's conditions, as every lab benchmark states them)
 
 log = logging.getLogger("workbench.run.autopilot")  # --verbose: beside auto's judgements, on one clock
-LAB_DESCRIPTION = ("shared VM; hosts are network namespaces on one bridge, links shaped by tbf (no added delay), "
-                   "the slow host by a cgroup v1 CPU quota")
 CONFIGS = [("allreduce", "allreduce", {}), ("average p16", "average", {"period": 16, "overlap": True}),
            ("average p64", "average", {"period": 64, "overlap": True}),
            ("async p4", "async", {"push_every": 4, "shards": 2}), ("easgd p16", "easgd", {"period": 16}),
