@@ -198,12 +198,11 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]], conditions: li
                 "change_after_s": arguments.change_after_s, "conditions": conditions,
                 "configs": [n for n, _, _ in CONFIGS if n in arguments.configs.split(",")]}
     return {**resultfile.document("auto", settings, LAB_DESCRIPTION),
-            "complete": complete, "target": arguments.target, "repeats": arguments.repeats, "conditions": table,
+            "complete": complete, "conditions": table,
             "worst_time_vs_best_fixed": max(known) if known and len(known) == len(ratios) else None,
             "changing_link_time_vs_best_fixed": ratios.get("changing"),
             "changing_link_beats_every_fixed": table["changing"]["auto_beats_every_fixed"] if "changing" in table else None,
-            "changing_link_reactions": reactions,
-            "lr_scale": arguments.lr_scale, "hidden": arguments.hidden}
+            "changing_link_reactions": reactions}
 
 
 def save(result: dict[str, Any], out: str | None) -> None:
