@@ -41,6 +41,22 @@ STRATEGIES = ["allreduce", "average", "async", "ssp", "easgd"]
 LINES = "() => {{ const s = Bokeh.documents[0].get_model_by_name('{name}'); return s ? s.data['{column}'].length : -1 }}"
 
 
+def compare_runs(page: Any, run_ids: list[str], timeout_ms: float) -> None:
+    """Chooses `run_ids` in the Compare tab as a user does, one after the other, each once the plots show
+    the one before. The run is typed key by key: the MultiChoice (Choices.js) filters its list on key-up,
+    so a value set at once (Playwright's `fill`) leaves the list unfiltered and Enter takes whichever run
+    is highlighted at the top. A choice made while the server has not answered the one before can also
+    be lost when the widget redraws."""
+    chooser = page.locator(".choices input[type=search]").first  # the MultiChoice's search box
+    for count, run_id in enumerate(run_ids, start=1):
+        chooser.click()
+        chooser.press_sequentially(run_id)
+        page.locator(f'.choices__list--dropdown .is-highlighted[data-value="{run_id}"]').wait_for(timeout=timeout_ms)
+        page.keyboard.press("Enter")
+        page.wait_for_function(f"() => ({LINES.format(name='compare-loss', column='xs')})() === {count}",
+                               timeout=timeout_ms)
+
+
 def make_runs(directory: Path, runs: int, seed: int = 0, steps_range: tuple[int, int] = (300, 2000)) -> list[str]:
     """`runs` finished run directories under `directory`, oldest first, of `steps_range` steps each;
     returns their ids."""
@@ -130,12 +146,7 @@ def measure_page(browser: Any, url: str, ids: list[str], runs_dir: Path) -> dict
         open_s = time.monotonic() - began
         open_tab(page, "Compare")
         began = time.monotonic()
-        chooser = page.locator(".choices input[type=search]").first  # the MultiChoice's search box
-        for run_id in ids[-5:]:
-            chooser.click()
-            chooser.fill(run_id)
-            page.keyboard.press("Enter")
-        page.wait_for_function(f"() => ({LINES.format(name='compare-loss', column='xs')})() === 5", timeout=120_000)
+        compare_runs(page, ids[-5:], timeout_ms=120_000)
         compare_s = time.monotonic() - began
         return {"list_s": round(list_s, 3), "rows": rows, "open_s": round(open_s, 3), "compare_s": round(compare_s, 3)}
     finally:
