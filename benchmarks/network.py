@@ -84,6 +84,8 @@ DDP_PORT = 29500
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("allreduce", "allreduce", {}),
     ("allreduce bf16", "allreduce", {"wire_dtype": "bf16"}),
+    # Each step's global batch cut to the workers' measured speeds: for the slow host.
+    ("allreduce balanced", "allreduce", {"balance": True}),
     ("average p16", "average", {"period": 16}),
     ("average p64", "average", {"period": 64}),
     ("average p16 bf16", "average", {"period": 16, "wire_dtype": "bf16"}),

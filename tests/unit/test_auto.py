@@ -396,3 +396,63 @@ def test_a_window_where_no_exchange_landed_neither_confirms_nor_clears_a_candida
     chose = chooser.observe(slow, settings, 5)
     assert chose.strategy == "easgd" and chose.settings == {"period": 16} and chose.lr_factor == 1
     assert "more than period 64 hides even in bf16" in chose.reason
+
+
+# Balanced allreduce on the lab, host 2 at half a core granted over 100 ms (MLP 784-1024-1024-10, one 8 s
+# window): the cut (136/120) evened the compute, but the fast worker still waited for the slow one, whose
+# CPU comes in bursts and whose part of the all-reduce runs at half speed.
+BALANCED_LAB = {"compute": {0: 0.0218, 1: 0.0321}, "rates": {0: 2599.0, 1: 2288.0}, "samples": {0: 136.0, 1: 120.0},
+                "exchange": 0.0109}
+
+
+def balanced_window(strategy="allreduce", compute=None, rates=None, exchange=None, samples=None):
+    return Window(strategy, compute or BALANCED_LAB["compute"], rates or BALANCED_LAB["rates"],
+                  BALANCED_LAB["exchange"] if exchange is None else exchange, samples or BALANCED_LAB["samples"])
+
+
+def test_workers_that_wait_for_a_slow_host_balance_then_leave_for_elastic_averaging():
+    window_ = balanced_window()
+    assert window_.speed_spread == pytest.approx(0.679, abs=1e-3)  # not a straggler by compute per step
+    # Worker 0's 52.3 ms step: 21.8 ms computing, 10.9 ms exchanging, the rest (37.5%) waiting.
+    assert window_.waiting_share() == pytest.approx(1 - (0.0218 + 0.0109) * 2599 / 136)
+    # Not balanced yet: balance first, as for a worker that computes slower.
+    strategy, settings, reason = fitting(window_, {})
+    assert (strategy, settings) == ("allreduce", {"balance": True})
+    assert "the workers wait 38% of their steps for worker 1: allreduce, balanced" in reason
+    # Balanced, and the steps still wait: elastic averaging.
+    strategy, settings, reason = fitting(window_, {"balance": True})
+    assert (strategy, settings) == ("easgd", {"period": 16})
+    assert "the workers wait 38% of their steps for worker 1: easgd, period 16" in reason
+    # The steps end together (unlimited, no slow host: 6% waiting): nothing to change, balanced or not.
+    even = balanced_window(compute={0: 0.0207, 1: 0.0206}, rates={0: 4071.0, 1: 4057.0}, exchange=0.009,
+                           samples={0: 128.0, 1: 128.0})
+    assert even.waiting_share() < 0.1
+    assert fitting(even, {"balance": True}) is None and fitting(even, {}) is None
+    # Under averaging the exchange is one per period: the waits are judged per step.
+    periodic = balanced_window("average", exchange=0.0109 * 8)
+    assert periodic.waiting_share(8) == pytest.approx(window_.waiting_share())
+    assert fitting(periodic, {"balance": True, "period": 8})[0] == "easgd"
+    # Windows without sample counts (older records) say nothing of waiting.
+    assert Window("allreduce", window_.compute_s, window_.samples_per_s, 0.0109).waiting_share() is None
+
+
+def test_leaving_a_balanced_run_judges_the_recovery_by_the_slow_hosts_compute_per_sample():
+    chooser = Chooser(workers=2, confirm=1, min_interval_s=0)
+    chooser.observe(balanced_window(), {"balance": True}, now=0)
+    # For the straggler, not the link (its compute per step read even): its recovery is judged by its own
+    # compute against the fast worker's at an equal part of the batch (21.8 ms for 136 -> 20.5 for 128).
+    assert not chooser.for_link and chooser.straggler == (1, pytest.approx(0.0218 / 136 * 128))
+    # Under easgd (128 samples each) the slow host still computes 37.5 ms a step: it stays.
+    slow = Window("easgd", {0: 0.0185, 1: 0.0375}, {0: 6797.0, 1: 3259.0}, 0.001, {0: 128.0, 1: 128.0})
+    assert chooser.observe(slow, {"period": 16}, now=1) is None
+    back = Window("easgd", {0: 0.019, 1: 0.0195}, {0: 6600.0, 1: 6500.0}, 0.001, {0: 128.0, 1: 128.0})
+    chooser.observe(back, {"period": 16}, now=2)
+    assert chooser.observe(back, {"period": 16}, now=3).strategy == "allreduce"
+
+
+def test_a_window_counts_each_workers_samples_a_step():
+    records = [{"worker": w, "time": t * 0.05, "samples": n, "compute_s": 0.02, "comm_s": 0.01}
+               for t in range(6) for w, n in ((0, 136), (1, 120))]
+    window_ = measure(records, "allreduce")
+    assert window_.samples == {0: 136.0, 1: 120.0}
+    assert window_.per_sample() == {0: pytest.approx(0.02 / 136), 1: pytest.approx(0.02 / 120)}

@@ -72,4 +72,5 @@ def test_what_auto_trained_with_in_its_window_is_named_as_the_fixed_rows_name_it
     inside = network.auto_choices(decisions, began=100.0, window={"window": (110.0, 131.0)})
     assert inside["in_window"] == 1
     assert network.auto_choices([], 100.0, {"window": (110.0, 120.0)})["name"] == "allreduce"
-    assert network.config_name("allreduce", {"balance": True}) == "allreduce balance=True"
+    assert network.config_name("allreduce", {"balance": True}) == "allreduce balanced"  # a fixed row
+    assert network.config_name("allreduce", {"bucket_mb": 1.0}) == "allreduce bucket_mb=1.0"  # none: spelt out

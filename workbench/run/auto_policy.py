@@ -30,6 +30,14 @@ PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr 
 # server serves a push of the whole model every 4 steps from each worker, on the same shared cores.
 STRAGGLER_STRATEGY = "easgd"
 STRAGGLER_MIN_PERIOD = 16
+# The workers that wait for the last one wait this share of their steps or more: a straggler, whatever
+# the compute times say. A host whose CPU comes in bursts (a quota over 100 ms: full-speed steps and stalls)
+# reads near its peers' mean compute time, and a slow host pays its part of the exchange at its own CPU's
+# speed, which a balanced cut of the batch cannot shrink. Measured on the lab (MLP 784-1024-1024-10, host 2
+# at half a core over 100 ms, 8 s windows): allreduce's fast worker waited 0.43 of its steps at a compute
+# spread of 0.59-0.61 (so `auto` stayed on allreduce, 4,467 samples/s, in one run of two), balanced 0.38
+# (4,887), where easgd p16 made 10,055; unlimited, with no slow host, allreduce waits 0.06.
+WAIT_ABOVE = 0.3
 # What a link too slow for any averaging gets: the same elastic averaging, period 16. Where even bf16 at
 # MAX_PERIOD cannot hide an exchange, a synchronous strategy waits on the link at every exchange; under
 # easgd only the workers behind the slow link wait, each on its own, and the center keeps moving with the
@@ -68,6 +76,7 @@ class Window:
     compute_s: dict[int, float]  # per worker: mean compute per step
     samples_per_s: dict[int, float]  # per worker
     exchange_s: float | None  # one exchange of the model, whole; None when none was seen in the window
+    samples: dict[int, float] = dataclasses.field(default_factory=dict)  # per worker: mean samples a step
 
     @property
     def exchange_in_steps(self) -> float | None:
@@ -91,6 +100,37 @@ class Window:
     def slowest(self) -> int:
         return max(self.compute_s, key=self.compute_s.get) if self.compute_s else 0
 
+    def per_sample(self) -> dict[int, float]:
+        """Each worker's compute per sample (per step where the window has no sample counts): under a
+        balanced cut the steps are even by design, and only this tells the slow host."""
+        return {w: t / self.samples[w] if self.samples.get(w) else t for w, t in self.compute_s.items()}
+
+    def waiting_share(self, period: int = 1) -> float | None:
+        """The share of their steps that the workers waiting for the last arrival spend neither computing nor
+        exchanging (synchronous; `period` steps an exchange): each worker's step interval (its samples over
+        its rate) against its compute and its part of the exchange, the median over every worker but the
+        one that waits least (the last to arrive). 0: the steps end together. None: not measured."""
+        if self.exchange_s is None or len(self.compute_s) < 2:
+            return None
+        shares = {}
+        for worker, compute in self.compute_s.items():
+            rate, samples = self.samples_per_s.get(worker), self.samples.get(worker)
+            if not rate or not samples:
+                return None
+            busy = compute + self.exchange_s / period
+            shares[worker] = max(0.0, 1.0 - busy * rate / samples)
+        least = min(shares, key=shares.get)
+        return statistics.median(share for worker, share in shares.items() if worker != least)
+
+    def straggler_reference(self) -> tuple[int, float]:
+        """The slowest worker per sample, and the others' median compute per step at an equal part of the
+        batch (the mean part): what its own compute time is judged against once nobody waits."""
+        per_sample = self.per_sample()
+        slowest = max(per_sample, key=per_sample.get)
+        batch = statistics.fmean(self.samples.values()) if self.samples else 1.0
+        others = [t * batch if self.samples else t for w, t in per_sample.items() if w != slowest]
+        return slowest, statistics.median(others)
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -110,6 +150,7 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
     if len(by_worker) < 2 or min(len(steps) for steps in by_worker.values()) < 3:
         return None
     compute = {w: statistics.fmean(r["compute_s"] for r in steps) for w, steps in by_worker.items()}
+    samples = {w: statistics.fmean(r["samples"] for r in steps) for w, steps in by_worker.items()}
     rates = {}
     for worker, steps in by_worker.items():
         span = max(r["time"] for r in steps) - min(r["time"] for r in steps)
@@ -128,7 +169,7 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
              for w, steps in by_worker.items()}
     pick = min if strategy in SYNCHRONOUS else max
     exchange = pick(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
-    return Window(strategy, compute, rates, exchange)
+    return Window(strategy, compute, rates, exchange, samples)
 
 
 def _period(exchange_in_steps: float) -> int:
@@ -178,18 +219,20 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     spread = window.speed_spread if spread is None else spread
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
-    if spread < STRAGGLER_BELOW and not asynchronous and can_balance and not settings.get("balance"):
-        # First the move that keeps training synchronous: the straggler takes a smaller share of each global
-        # batch (a live setting of both synchronous strategies). Where that cannot even the steps (a delay
-        # that is not per sample), the spread stays and the next window leaves for elastic averaging.
-        return (current, {"balance": True},
-                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {current}, balanced "
-                f"(each worker's share of the global batch follows its speed)")
-    if spread < STRAGGLER_BELOW and not asynchronous:
+    waiting = waiting_for_the_last(window, settings)
+    if not asynchronous and (spread < STRAGGLER_BELOW or waiting is not None):
+        slow = (f"worker {window.slowest} computes at {spread:.0%} of the others' speed" if spread < STRAGGLER_BELOW
+                else f"the workers wait {waiting:.0%} of their steps for worker {window.straggler_reference()[0]}")
+        if can_balance and not settings.get("balance"):
+            # First the move that keeps training synchronous: the straggler takes a smaller share of each
+            # global batch (a live setting of both synchronous strategies). Where that cannot even the steps
+            # (a delay that is not per sample, a CPU in bursts), the next windows leave for elastic averaging.
+            return (current, {"balance": True},
+                    f"{slow}: {current}, balanced (each worker's share of the global batch follows its speed)")
         # The period that hides the exchange, at least 16: each exchange is also served by the center.
         period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
         return (STRAGGLER_STRATEGY, {"period": period},
-                f"worker {window.slowest} computes at {spread:.0%} of the others' speed: {STRAGGLER_STRATEGY}, period {period} "
+                f"{slow}: {STRAGGLER_STRATEGY}, period {period} "
                 f"(nobody waits: each worker exchanges with the center on its own)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE and not for_link:
         return None  # still uneven: stay asynchronous
@@ -223,6 +266,16 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
             change = f"period {settings.get('period')} -> {chosen['period']}" + (", bf16 on the wire" if wire_changes else "")
             return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {change}")
     return None
+
+
+def waiting_for_the_last(window: Window, settings: dict[str, Any]) -> float | None:
+    """Under a synchronous strategy, the share of their steps the workers wait for the last one, where it is
+    WAIT_ABOVE or more (a straggler); None otherwise or where not measured."""
+    if window.strategy not in SYNCHRONOUS:
+        return None
+    period = settings.get("period", 1) if window.strategy == "average" else 1
+    waiting = window.waiting_share(period)
+    return waiting if waiting is not None and waiting >= WAIT_ABOVE else None
 
 
 def clear(window: Window, settings: dict[str, Any], strategy: str) -> bool:
@@ -320,9 +373,11 @@ class Chooser:
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
-            self.for_link = self.spread is None or self.spread >= STRAGGLER_BELOW  # not for a straggler
-            others = [t for w, t in window.compute_s.items() if w != window.slowest]
-            self.straggler = (window.slowest, statistics.median(others)) if others and not self.for_link else None
+            for_straggler = (self.spread is not None and self.spread < STRAGGLER_BELOW) or \
+                waiting_for_the_last(window, settings) is not None
+            self.for_link = not for_straggler
+            # Per sample: a balanced cut has evened the steps, and the slow host has the smaller share.
+            self.straggler = window.straggler_reference() if for_straggler else None
         elif strategy in SYNCHRONOUS:
             self.straggler, self.for_link = None, False
         self._recent = []  # a new strategy: measure afresh
