@@ -30,13 +30,13 @@ PUSHES_IN_FULL = ("async", "ssp")  # every worker's push applied at the full lr 
 # server serves a push of the whole model every 4 steps from each worker, on the same shared cores.
 STRAGGLER_STRATEGY = "easgd"
 STRAGGLER_MIN_PERIOD = 16
-# The workers that wait for the last one wait this share of their steps or more: a straggler, whatever
-# the compute times say. A host whose CPU comes in bursts (a quota over 100 ms: full-speed steps and stalls)
-# reads near its peers' mean compute time, and a slow host pays its part of the exchange at its own CPU's
-# speed, which a balanced cut of the batch cannot shrink. Measured on the lab (MLP 784-1024-1024-10, host 2
-# at half a core over 100 ms, 8 s windows): allreduce's fast worker waited 0.43 of its steps at a compute
-# spread of 0.59-0.61 (so `auto` stayed on allreduce, 4,467 samples/s, in one run of two), balanced 0.38
-# (4,887), where easgd p16 made 10,055; unlimited, with no slow host, allreduce waits 0.06.
+# The workers that wait for the last one wait this share of an exchange's cycle or more: a straggler,
+# whatever the compute times say. A host whose CPU comes in bursts (a quota over 100 ms: full-speed steps
+# and stalls) reads near its peers' compute time, and a slow host pays its part of the exchange at its own
+# CPU's speed, which a balanced cut of the batch cannot shrink. Measured on the lab (MLP 784-1024-1024-10,
+# host 2 at half a core over 100 ms, 8 s windows): under allreduce the fast worker waited 0.45 of the cycle
+# at a compute spread of 0.59-0.61 (so `auto` stayed on allreduce, 4,467 samples/s, in one run of two),
+# balanced 0.41 (4,887), where easgd p16 made 10,055; unlimited, with no slow host, 0.02.
 WAIT_ABOVE = 0.3
 # What a link too slow for any averaging gets: the same elastic averaging, period 16. Where even bf16 at
 # MAX_PERIOD cannot hide an exchange, a synchronous strategy waits on the link at every exchange; under
@@ -77,6 +77,9 @@ class Window:
     samples_per_s: dict[int, float]  # per worker
     exchange_s: float | None  # one exchange of the model, whole; None when none was seen in the window
     samples: dict[int, float] = dataclasses.field(default_factory=dict)  # per worker: mean samples a step
+    # Synchronous: what the workers that wait for the last arrival wait at an exchange beyond the exchange
+    # itself (the median over them of their median exchange, less the least one's); None otherwise.
+    waiting_s: float | None = None
 
     @property
     def exchange_in_steps(self) -> float | None:
@@ -106,21 +109,13 @@ class Window:
         return {w: t / self.samples[w] if self.samples.get(w) else t for w, t in self.compute_s.items()}
 
     def waiting_share(self, period: int = 1) -> float | None:
-        """The share of their steps that the workers waiting for the last arrival spend neither computing nor
-        exchanging (synchronous; `period` steps an exchange): each worker's step interval (its samples over
-        its rate) against its compute and its part of the exchange, the median over every worker but the
-        one that waits least (the last to arrive). 0: the steps end together. None: not measured."""
-        if self.exchange_s is None or len(self.compute_s) < 2:
+        """The share of an exchange's cycle (`period` steps of compute and the exchange) that the workers
+        waiting for the last arrival spend waiting: `waiting_s` against the median worker's compute. 0: the
+        steps end together; None: not measured (asynchronous, or too few exchanges)."""
+        if self.waiting_s is None or self.exchange_s is None or not self.compute_s:
             return None
-        shares = {}
-        for worker, compute in self.compute_s.items():
-            rate, samples = self.samples_per_s.get(worker), self.samples.get(worker)
-            if not rate or not samples:
-                return None
-            busy = compute + self.exchange_s / period
-            shares[worker] = max(0.0, 1.0 - busy * rate / samples)
-        least = min(shares, key=shares.get)
-        return statistics.median(share for worker, share in shares.items() if worker != least)
+        cycle = period * statistics.median(self.compute_s.values()) + self.exchange_s + self.waiting_s
+        return self.waiting_s / cycle if cycle > 0 else None
 
     def straggler_reference(self) -> tuple[int, float]:
         """The slowest worker per sample, and the others' median compute per step at an equal part of the
@@ -168,8 +163,15 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
     costs = {w: [r[field] for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
              for w, steps in by_worker.items()}
     pick = min if strategy in SYNCHRONOUS else max
-    exchange = pick(statistics.median(c) for c in costs.values()) if all(costs.values()) else None
-    return Window(strategy, compute, rates, exchange, samples)
+    medians = {w: statistics.median(c) for w, c in costs.items()} if all(costs.values()) else {}
+    exchange = pick(medians.values()) if medians else None
+    # What the others wait for the last arrival, from the same medians: a held-out evaluation on worker 0
+    # or a one-off stall holds them back at one exchange in many, which the medians leave out.
+    waiting = None
+    if strategy in SYNCHRONOUS and exchange is not None:
+        last = min(medians, key=medians.get)
+        waiting = statistics.median(c for w, c in medians.items() if w != last) - exchange
+    return Window(strategy, compute, rates, exchange, samples, waiting)
 
 
 def _period(exchange_in_steps: float) -> int:
