@@ -202,6 +202,11 @@ class _ServerStrategy(Strategy):
             self.known.apply(self.server.fetch(self.rank, full=True).weights)
             self._load(self.known.vector())
             self.common = None  # each worker now holds the server's weights, its own progress dropped
+            # Every rank holds the start before any rank pushes: a rank quick off the mark would otherwise
+            # push before a slower one fetched, which then starts from weights already moved, not the ones
+            # the switch made (seen in the suite: average -> async, rank 1's first fetch came after rank
+            # 0's first push, 12 ms into rank 0's steps, and started 0.2 off the average in its fingerprint).
+            context.comm.barrier()
         self.pending: Call | None = None
         self.clock = 0  # windows sent
         self.steps_since_send = 0
