@@ -399,6 +399,14 @@ def _settled(run, windows):
     return settled
 
 
+def _steps_until(run, worker, since, condition):
+    """How many steps `worker` recorded after `since` up to the first whose samples meet `condition`."""
+    steps = run.table.steps()
+    mine = steps[(steps["worker"] == worker) & (steps["time"] > since)]
+    met = [i for i, samples in enumerate(mine["samples"]) if condition(samples)]
+    return met[0] + 1 if met else None
+
+
 def _next_decision(run, before, timeout_s=60):
     """The run's auto decision after its first `before`, once it has come."""
     run._wait_for(lambda: len(run.events(kinds.AUTO_DECISION)) > before, timeout_s, f"{before + 1} auto decisions")
@@ -414,7 +422,7 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
     for host in range(1, WORKER_HOSTS + 1):
         lab.set_cpu(host, HOST_SHARE, period_ms=HOST_PERIOD_MS)
     run = workbench.train(job, "auto", client=all_workers, run_dir=tmp_path)
-    timings = {}
+    windows = {}  # windows `auto` judged from a change of condition to its decision, the decision's included
     try:
         # Settled on the unlimited link first: 5 windows judged (about 10 s), whatever it chose there (on
         # half a core a host, the exchange is CPU-bound: average, period 16 to 64, maybe bf16).
@@ -424,29 +432,29 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         settled_on = (run.strategy, run.settings, run.auto_pilot.last_window)
         # 1. The worker hosts' links fall, both ways: a float32 exchange then costs hundreds of steps of
         # compute, more than period 64 hides even in bf16, wherever the unlimited link left it: easgd.
+        judged = run.auto_pilot.judged
         lab.set_rate(SLOW_LINK)
-        changed = time.time()
         slow_link = _next_decision(run, before)
-        timings["link"] = slow_link["time"] - changed
+        windows["link"] = slow_link["window"] - judged
         # What the run was on, and every decision with its readings, where this fails.
         assert slow_link["to"] == "easgd" and "more than period 64 hides even in bf16" in slow_link["reason"], \
             (settled_on, run.events(kinds.AUTO_DECISION))
         assert slow_link["measured"]["exchange_in_steps"] > 64, slow_link
         # 2. The link comes back: synchronous again (the worker holding easgd's center reads slower, but
         # the move was for the link, and the link decides the way back).
+        judged = run.auto_pilot.judged
         lab.set_rate(None)
-        restored = time.time()
         link_back = _next_decision(run, before + 1)
-        timings["link back"] = link_back["time"] - restored
+        windows["link back"] = link_back["window"] - judged
         assert link_back["to"] in SYNCHRONOUS and "the link is back" in link_back["reason"], link_back
         assert link_back["lr"] == pytest.approx(job.lr)
         # 3. The last worker host at 40% of the others' CPU: a straggler, which nobody should wait for. First
         # the move that stays synchronous: its share of each global batch cut to its speed.
         straggling = WORKER_HOSTS - 1
+        judged = run.auto_pilot.judged
         lab.set_cpu(WORKER_HOSTS, 0.4 * HOST_SHARE, period_ms=HOST_PERIOD_MS)
-        slowed = time.time()
         straggler = _next_decision(run, before + 2)
-        timings["straggler"] = straggler["time"] - slowed
+        windows["straggler"] = straggler["window"] - judged
         assert straggler["to"] == link_back["to"] and straggler["settings"] == {"balance": True}, straggler
         assert f"worker {straggling} computes at" in straggler["reason"] and "balanced" in straggler["reason"]
         assert straggler["lr"] == pytest.approx(job.lr)
@@ -456,9 +464,11 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         # 4. The host gets its CPU back: its share follows, with no switch to make.
         lab.set_cpu(WORKER_HOSTS, HOST_SHARE, period_ms=HOST_PERIOD_MS)
         restored = time.time()
-        run._wait_for(lambda: (_share(run, straggling, restored) or 0) >= 0.8 * job.batch_size, 60,
-                      "the straggler's share back")
-        timings["back"] = time.time() - restored
+        back = 0.8 * job.batch_size
+        run._wait_for(lambda: (_share(run, straggling, restored) or 0) >= back, 60, "the straggler's share back")
+        # Counted in cuts: one every `rebalance_every` steps measured, under `average` at a sync only.
+        cut_every = max(run.settings.get("period", 1), run.settings["rebalance_every"])
+        cuts_back = _steps_until(run, straggling, restored, lambda samples: samples >= back) / cut_every
         # One decision per condition change at most: no flapping.
         assert len(run.events(kinds.AUTO_DECISION)) == before + 3, run.events(kinds.AUTO_DECISION)[before:]
     finally:
@@ -467,10 +477,14 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
             lab.set_cpu(host, None)
         run.stop()
         run.wait(120)
-    # Measured on the 2-core VM (hosts at half a core over 10 ms): see the print below for this run's.
-    # Bounds: the chooser confirms a move in two or three windows of 2 s, and switches at least 8 s apart;
-    # a share follows its host's speed at the next syncs.
-    assert run.status == "stopped" and timings["link"] < 15 and timings["straggler"] < 15, timings
-    assert timings["link back"] < 20 and timings["back"] < 20, timings
+    # Bounds in the chooser's own units, not seconds, which a busy machine stretches (the straggler once
+    # took 18 s, against 8.5-12 s in six runs the same day): a window that holds the change and the steps
+    # before it, then the confirmations (a clear link reading: two; a straggler: three), the straggler's
+    # held back until 8 s (four windows of 2 s) after the move back. A share halves its distance to the
+    # measured speeds at each cut, from about half the batch to 0.8 of it in two where the measurements are
+    # clean; on hosts whose CPU comes in 10 ms bursts a step's compute reads 0.6-16 ms, and the cuts move less.
+    assert run.status == "stopped", run.status
+    assert windows["link"] <= 5 and windows["link back"] <= 7 and windows["straggler"] <= 8, windows
+    assert cuts_back <= 8, (cuts_back, cut_every)
     assert run.evaluate()["accuracy"] >= 0.9  # it kept learning through three moves
-    print(f"auto reacted after {timings}")
+    print(f"auto decided after {windows} windows judged; the share came back in {cuts_back:.1f} cuts of {cut_every}")

@@ -1,13 +1,15 @@
 """Unit tests of the balanced cut of a global batch: the shares' arithmetic (`sharding.balanced_shares`),
 the global batch every rank's equal part is a slice of, and one rank's timing and agreement
 (`strategies/balance.py`) against a stand-in for the ranks' all-gather."""
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.sharding import balanced_shares, batches, global_batches, shard_indices, share_range
-from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance
+from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance, compute_model
 
 
 @given(n=st.integers(1, 400), world=st.integers(1, 6), batch=st.integers(1, 9), epoch=st.integers(0, 3),
@@ -143,3 +145,81 @@ def test_shares_even_the_step_times_when_a_part_of_the_step_is_fixed():
     assert balanced_shares([100.0, 100.0], 64, minimum=2, fixed_s=[0.0, 1.0]) == [62, 2]
     with pytest.raises(ValueError):
         balanced_shares([1.0, 1.0], 8, fixed_s=[0.0])
+
+
+def test_a_ranks_compute_is_fitted_as_a_part_per_step_and_a_part_per_sample():
+    # 0.43 ms a step and 8.5 us a sample (the MLP 64-256-256 on one thread, measured: 0.47 ms at 4 samples,
+    # 0.71 ms at 32): two measurements at shares far enough apart give both back.
+    rate, fixed = compute_model([(32, 0.43e-3 + 32 * 8.5e-6), (16, 0.43e-3 + 16 * 8.5e-6)])
+    assert rate == pytest.approx(1 / 8.5e-6) and fixed == pytest.approx(0.43e-3)
+    # The newest measurement is paired with the latest one far enough from it (30 is too close to 32).
+    assert compute_model([(16, 0.566e-3), (30, 9.0), (32, 0.702e-3)]) == pytest.approx((1 / 8.5e-6, 0.43e-3))
+    # No pair far enough apart, more samples taking no longer, or a step under nothing (the speed changed
+    # between the two): the newest measurement's samples per second, nothing fixed.
+    assert compute_model([(32, 0.7e-3)]) == (32 / 0.7e-3, 0.0)
+    assert compute_model([(30, 0.5e-3), (32, 0.7e-3)]) == (32 / 0.7e-3, 0.0)
+    assert compute_model([(16, 1.0), (20, 1.0)]) == (20.0, 0.0)
+    assert compute_model([(16, 1.4e-3), (24, 0.6e-3)]) == (24 / 0.6e-3, 0.0)  # slowed at the smaller share
+    assert compute_model([(20, 1.6e-3), (14, 0.55e-3)]) == (14 / 0.55e-3, 0.0)  # given its CPU back
+
+
+class _Pair:
+    """Two ranks' all-gather in threads: each rank's call returns once both have given their value."""
+
+    def __init__(self) -> None:
+        self.barrier, self.values = threading.Barrier(2, timeout=10), [None, None]
+
+    def comm(self, rank: int):
+        pair = self
+
+        class Comm:
+            def all_gather_json(self, value):
+                pair.values[rank] = value
+                pair.barrier.wait()
+                gathered = list(pair.values)
+                pair.barrier.wait()  # both have read before either writes again
+                return gathered
+
+        return Comm()
+
+
+def _cuts_until_even(monkeypatch, fit: bool) -> int:
+    """Two ranks of one speed, 0.43 ms a step and 8.5 us a sample, from a cut of 94/2 (the second's host
+    was slow, its share at the minimum, and is back): the cuts until it takes 80% of its equal part again."""
+    clock = threading.local()
+    monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: clock.now)
+    if not fit:  # the cut before the fit: proportional to samples per second
+        monkeypatch.setattr("workbench.strategies.balance.compute_model", lambda points: (
+            points[-1][0] / points[-1][1], 0.0))
+    pair, cuts = _Pair(), [None, None]
+
+    def rank(r: int) -> None:
+        clock.now = 0.0
+        balance = BatchBalance(rank=r, world_size=2, batch_size=48, every=4)
+        balance.shares, balance._measured, balance._warm = [94, 2], True, True
+        for cut in range(1, 100):
+            for _ in range(4):
+                balance.share()
+                clock.now += 0.43e-3 + 8.5e-6 * balance.shares[r]
+                balance.computed()
+                balance.exchanged()
+                balance.stepped()
+            balance.rebalance(pair.comm(r))
+            if balance.shares[1] >= 0.8 * 48:
+                cuts[r] = cut
+                return
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert cuts[0] == cuts[1] is not None, cuts  # the ranks agree on every cut
+    return cuts[0]
+
+
+def test_a_share_comes_back_within_a_few_cuts_when_its_hosts_speed_does(monkeypatch):
+    # Fitted: the first cut is proportional, the next ones fit the step's fixed part (half steps toward it).
+    assert _cuts_until_even(monkeypatch, fit=True) <= 4
+    # In proportion to samples per second, the rank with the smaller share reads slower than it is: 9 cuts.
+    assert _cuts_until_even(monkeypatch, fit=False) >= 8

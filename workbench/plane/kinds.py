@@ -45,7 +45,7 @@ DEADLINE = "deadline"  # the timeout in force changed: measured, back to unmeasu
 CHECKPOINT = "checkpoint"  # a checkpoint was written (path, step)
 CHECKPOINT_REFUSED = "checkpoint-refused"  # a checkpoint held NaN or infinity and was not written
 TRAINING_WARNING = "training-warning"  # the loss watch: not learning, loss climbing
-AUTO_DECISION = "auto-decision"  # `auto` switched the run: from, to, settings, lr, reason, what it measured
+AUTO_DECISION = "auto-decision"  # `auto` switched the run: from, to, settings, lr, reason, its window, what it measured
 AUTO_PINNED = "auto-pinned"  # a strategy chosen by hand turned `auto` off
 AUTO_ON = "auto-on"  # switch('auto'): `auto` chooses again (after a pin, or on a run started otherwise)
 

@@ -122,8 +122,8 @@ class Window:
         batch (the mean part): what its own compute time is judged against once nobody waits."""
         per_sample = self.per_sample()
         slowest = max(per_sample, key=per_sample.get)
-        batch = statistics.fmean(self.samples.values()) if self.samples else 1.0
-        others = [t * batch if self.samples else t for w, t in per_sample.items() if w != slowest]
+        batch = statistics.fmean(self.samples.values()) if self.samples else 1.0  # per step without counts
+        others = [t * batch for w, t in per_sample.items() if w != slowest]
         return slowest, statistics.median(others)
 
 
@@ -221,8 +221,8 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     spread = window.speed_spread if spread is None else spread
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
-    waiting = waiting_for_the_last(window, settings)
-    if not asynchronous and (spread < STRAGGLER_BELOW or waiting is not None):
+    if straggling(window, settings, spread):
+        waiting = waiting_for_the_last(window, settings)
         slow = (f"worker {window.slowest} computes at {spread:.0%} of the others' speed" if spread < STRAGGLER_BELOW
                 else f"the workers wait {waiting:.0%} of their steps for worker {window.straggler_reference()[0]}")
         if can_balance and not settings.get("balance"):
@@ -268,6 +268,13 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
             change = f"period {settings.get('period')} -> {chosen['period']}" + (", bf16 on the wire" if wire_changes else "")
             return ("average", chosen, f"an exchange costs {steps:.1f} steps of compute: {change}")
     return None
+
+
+def straggling(window: Window, settings: dict[str, Any], spread: float | None) -> bool:
+    """Whether a synchronous window shows a straggler: the slowest worker under STRAGGLER_BELOW of the
+    others' speed, or the others waiting for the last one WAIT_ABOVE of their steps or more."""
+    return window.strategy in SYNCHRONOUS and (
+        (spread is not None and spread < STRAGGLER_BELOW) or waiting_for_the_last(window, settings) is not None)
 
 
 def waiting_for_the_last(window: Window, settings: dict[str, Any]) -> float | None:
@@ -375,8 +382,7 @@ class Chooser:
             return None
         self._candidate, self._seen, self._last_choice_at = None, 0, now
         if strategy not in SYNCHRONOUS and window.strategy in SYNCHRONOUS:  # for judging its recovery
-            for_straggler = (self.spread is not None and self.spread < STRAGGLER_BELOW) or \
-                waiting_for_the_last(window, settings) is not None
+            for_straggler = straggling(window, settings, self.spread)
             self.for_link = not for_straggler
             # Per sample: a balanced cut has evened the steps, and the slow host has the smaller share.
             self.straggler = window.straggler_reference() if for_straggler else None

@@ -93,6 +93,7 @@ class AutoPilot:
             "kind": kinds.AUTO_DECISION, "time": time.time(), "step": min(steps) if steps else 0,
             "from": run.strategy, "to": choice.strategy,
             "settings": choice.settings, "lr": lr, "reason": choice.reason,
+            "window": self.judged,  # the judgement that decided it, counted as `judged` counts
             "measured": {"exchange_in_steps": window.exchange_in_steps, "speed_spread": window.speed_spread,
                          "compute_s": window.compute_s, "samples_per_s": window.samples_per_s}})
         try:

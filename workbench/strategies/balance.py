@@ -5,6 +5,12 @@ Each rank times its own compute (from the start of a step to its gradients being
 what its step costs whatever its share (the optimizer step, from the exchange's end to `after_step`), each
 as the median over the steps measured: one stalled step (a pause of the process, a busy moment of the
 machine) would otherwise pull a mean over the few steps of a window, and the cut with it.
+A step's compute is not all per sample: a small model's forward and backward pay a cost per step whatever
+the batch (measured, MLP 64-256-256 on one thread: 0.47 ms at 4 samples, 0.71 ms at 32). A cut in
+proportion to samples per second would read the rank with the smaller share as slower per sample than it
+is, and keep its share small: on the lab a host given its CPU back took 550 steps (55 cuts) to take 80% of
+its part again. So each rank fits its compute time as a part per step and a part per sample from its last
+two measurements at shares far enough apart (`compute_model`), and sends that part per step as fixed time.
 Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
 the ranks share those measurements, and each computes the same new cut of the global batch
 (`sharding.balanced_shares`): a worker twice as fast takes about twice the samples, so the ranks' steps
@@ -29,6 +35,26 @@ REBALANCE_STEP = 0.5
 # came even (on the lab, GPT, a host at a quarter of a core: 10 steps of 0.7 s were 7 s, and `auto` had
 # left for easgd before the first cut).
 FIRST_CUT_STEPS = 3
+# Two measurements fit a part per step only at shares this far apart (of the larger): closer, a few percent
+# of noise in a median step time swings the fitted slope by more than its size.
+FIT_SPREAD = 0.2
+KEPT = 4  # measurements kept per rank for the fit: the newest and the ones before it
+
+
+def compute_model(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """A rank's compute speed from its measurements, (share, median compute seconds a step), oldest first:
+    (samples per second, seconds a step whatever the share). The newest measurement with the latest one
+    at a share FIT_SPREAD apart gives a line; where there is none, or the line says that more samples take
+    no longer or that a step takes less than nothing (the speed changed between the two, or noise), the
+    speed is the newest measurement's samples per second and no part is fixed."""
+    share, seconds = points[-1]
+    proportional = (share / seconds, 0.0)
+    for old_share, old_seconds in reversed(points[:-1]):
+        if abs(share - old_share) >= FIT_SPREAD * max(share, old_share):
+            per_sample = (seconds - old_seconds) / (share - old_share)
+            fixed = seconds - per_sample * share
+            return (1.0 / per_sample, fixed) if per_sample > 0 and fixed >= 0 else proportional
+    return proportional
 
 
 class BatchBalance:
@@ -39,7 +65,8 @@ class BatchBalance:
         self.total = batch_size * world_size
         self.shares = [batch_size] * world_size
         self._started: float | None = None
-        self._rates: list[float] = []  # samples/s of each step's compute measured since the last rebalance
+        self._compute_s: list[float] = []  # each step's compute measured since the last rebalance, at this share
+        self._points: list[tuple[int, float]] = []  # (share, median compute) of the last KEPT cuts' measurements
         self._fixed_s: list[float] = []  # each step's optimizer step, from the exchange's end to `after_step`
         self._free_at: float | None = None
         self._steps = 0  # measured since the last rebalance: the same count on every rank, whatever it timed
@@ -65,7 +92,7 @@ class BatchBalance:
         elif self._started is not None:
             now = time.perf_counter()
             if now > self._started:
-                self._rates.append(self.shares[self.rank] / (now - self._started))
+                self._compute_s.append(now - self._started)
             self._started, self._free_at = None, now
             self._steps += 1
 
@@ -90,10 +117,13 @@ class BatchBalance:
     def rebalance(self, comm: Any) -> bool:
         """Share the measurements and cut anew: every rank at the same step. Returns whether the shares
         changed."""
-        own = ([statistics.median(self._rates), statistics.median(self._fixed_s) if self._fixed_s else 0.0]
-               if self._rates else [0.0, 0.0])
+        own = [0.0, 0.0]
+        if self._compute_s:
+            self._points = (self._points + [(self.shares[self.rank], statistics.median(self._compute_s))])[-KEPT:]
+            rate, per_step = compute_model(self._points)
+            own = [rate, per_step + (statistics.median(self._fixed_s) if self._fixed_s else 0.0)]
         measured = [(float(rate), float(fixed)) for rate, fixed in comm.all_gather_json(own)]
-        self._rates, self._fixed_s, self._steps = [], [], 0
+        self._compute_s, self._fixed_s, self._steps = [], [], 0
         if min(rate for rate, _ in measured) <= 0:  # a rank measured nothing yet (it joined): keep the cut
             return False
         step_size = REBALANCE_STEP if self._measured else 1.0
@@ -111,5 +141,5 @@ class BatchBalance:
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._rates, self._fixed_s, self._steps = [], [], 0
+        self._compute_s, self._fixed_s, self._points, self._steps = [], [], [], 0
         self._started, self._free_at, self._measured, self._warm = None, None, False, False
