@@ -8,8 +8,8 @@ machine) would otherwise pull a mean over the few steps of a window, and the cut
 A step's compute is not all per sample: a small model's forward and backward pay a cost per step whatever
 the batch (measured, MLP 64-256-256 on one thread: 0.47 ms at 4 samples, 0.71 ms at 32). A cut in
 proportion to samples per second would read the rank with the smaller share as slower per sample than it
-is, and keep its share small: on the lab a host given its CPU back took 550 steps (55 cuts) to take 80% of
-its part again. So each rank fits its compute time as a part per step and a part per sample from its last
+is, and keep its share small: on the lab (`average` p64, cut at its syncs) a host given its CPU back took
+550 steps to take 80% of its part again, 171-369 with the fit (one run before, five after). So each rank fits its compute time as a part per step and a part per sample from its last
 two measurements at shares far enough apart (`compute_model`), and sends that part per step as fixed time.
 Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
 the ranks share those measurements, and each computes the same new cut of the global batch
