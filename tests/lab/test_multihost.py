@@ -375,11 +375,16 @@ HOST_PERIOD_MS = 10
 SLOW_LINK = "5mbit"  # a float32 exchange of the model here, hundreds of steps: past what averaging hides
 
 
+def _samples_since(run, worker, since):
+    """The samples of each step `worker` recorded after `since`, in order."""
+    steps = run.table.steps()
+    return list(steps[(steps["worker"] == worker) & (steps["time"] > since)]["samples"])
+
+
 def _share(run, worker, since):
     """The samples `worker` took in its latest step recorded after `since` (None: none yet)."""
-    steps = run.table.steps()
-    mine = steps[(steps["worker"] == worker) & (steps["time"] > since)]
-    return int(mine["samples"].iloc[-1]) if len(mine) else None
+    samples = _samples_since(run, worker, since)
+    return int(samples[-1]) if samples else None
 
 
 def _settled(run, windows):
@@ -401,9 +406,7 @@ def _settled(run, windows):
 
 def _steps_until(run, worker, since, condition):
     """How many steps `worker` recorded after `since` up to the first whose samples meet `condition`."""
-    steps = run.table.steps()
-    mine = steps[(steps["worker"] == worker) & (steps["time"] > since)]
-    met = [i for i, samples in enumerate(mine["samples"]) if condition(samples)]
+    met = [i for i, samples in enumerate(_samples_since(run, worker, since)) if condition(samples)]
     return met[0] + 1 if met else None
 
 
