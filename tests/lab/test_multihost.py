@@ -472,6 +472,8 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
         # Counted in cuts: one every `rebalance_every` steps measured, under `average` at a sync only.
         cut_every = max(run.settings.get("period", 1), run.settings["rebalance_every"])
         cuts_back = _steps_until(run, straggling, restored, lambda samples: samples >= back) / cut_every
+        cuts_seen = _samples_since(run, straggling, straggler["time"])  # the straggler's shares, for a failure
+        cuts_seen = [share for i, share in enumerate(cuts_seen) if i == 0 or cuts_seen[i - 1] != share]
         # One decision per condition change at most: no flapping.
         assert len(run.events(kinds.AUTO_DECISION)) == before + 3, run.events(kinds.AUTO_DECISION)[before:]
     finally:
@@ -485,9 +487,11 @@ def test_auto_follows_a_slower_link_and_a_straggler_across_hosts(lab, all_worker
     # before it, then the confirmations (a clear link reading: two; a straggler: three), the straggler's
     # held back until 8 s (four windows of 2 s) after the move back. A share halves its distance to the
     # measured speeds at each cut, from about half the batch to 0.8 of it in two where the measurements are
-    # clean; on hosts whose CPU comes in 10 ms bursts a step's compute reads 0.6-16 ms, and the cuts move less.
+    # clean; on hosts whose CPU comes in 10 ms bursts a step's compute reads 0.6-16 ms, and the cuts move less
+    # (0.7 and 2.6 cuts in two runs here; 9.7 on CI when a fit across the change of speed fell back to
+    # samples per second, shares 11, 13, 15, 18, 22, 28 in a run alike).
     assert run.status == "stopped", run.status
     assert windows["link"] <= 5 and windows["link back"] <= 7 and windows["straggler"] <= 8, windows
-    assert cuts_back <= 8, (cuts_back, cut_every)
+    assert cuts_back <= 8, (cuts_back, cut_every, cuts_seen)
     assert run.evaluate()["accuracy"] >= 0.9  # it kept learning through three moves
     print(f"auto decided after {windows} windows judged; the share came back in {cuts_back:.1f} cuts of {cut_every}")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.sharding import balanced_shares, batches, global_batches, shard_indices, share_range
-from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance, compute_model
+from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance, compute_model, fitted_per_step
 
 
 @given(n=st.integers(1, 400), world=st.integers(1, 6), batch=st.integers(1, 9), epoch=st.integers(0, 3),
@@ -149,18 +149,25 @@ def test_shares_even_the_step_times_when_a_part_of_the_step_is_fixed():
 
 def test_a_ranks_compute_is_fitted_as_a_part_per_step_and_a_part_per_sample():
     # 0.43 ms a step and 8.5 us a sample (the MLP 64-256-256 on one thread, measured: 0.47 ms at 4 samples,
-    # 0.71 ms at 32): two measurements at shares far enough apart give both back.
-    rate, fixed = compute_model([(32, 0.43e-3 + 32 * 8.5e-6), (16, 0.43e-3 + 16 * 8.5e-6)])
+    # 0.71 ms at 32): two measurements at shares far enough apart give the part per step, 50.6 samples' worth.
+    per_step = fitted_per_step([(32, 0.43e-3 + 32 * 8.5e-6), (16, 0.43e-3 + 16 * 8.5e-6)])
+    assert per_step == pytest.approx(0.43e-3 / 8.5e-6)
+    rate, fixed = compute_model(16, 0.43e-3 + 16 * 8.5e-6, per_step)
     assert rate == pytest.approx(1 / 8.5e-6) and fixed == pytest.approx(0.43e-3)
     # The newest measurement is paired with the latest one far enough from it (30 is too close to 32).
-    assert compute_model([(16, 0.566e-3), (30, 9.0), (32, 0.702e-3)]) == pytest.approx((1 / 8.5e-6, 0.43e-3))
+    assert fitted_per_step([(16, 0.566e-3), (30, 9.0), (32, 0.702e-3)]) == pytest.approx(0.43e-3 / 8.5e-6)
     # No pair far enough apart, more samples taking no longer, or a step under nothing (the speed changed
-    # between the two): the newest measurement's samples per second, nothing fixed.
-    assert compute_model([(32, 0.7e-3)]) == (32 / 0.7e-3, 0.0)
-    assert compute_model([(30, 0.5e-3), (32, 0.7e-3)]) == (32 / 0.7e-3, 0.0)
-    assert compute_model([(16, 1.0), (20, 1.0)]) == (20.0, 0.0)
-    assert compute_model([(16, 1.4e-3), (24, 0.6e-3)]) == (24 / 0.6e-3, 0.0)  # slowed at the smaller share
-    assert compute_model([(20, 1.6e-3), (14, 0.55e-3)]) == (14 / 0.55e-3, 0.0)  # given its CPU back
+    # between the two): no fit.
+    assert fitted_per_step([(32, 0.7e-3)]) is None
+    assert fitted_per_step([(30, 0.5e-3), (32, 0.7e-3)]) is None
+    assert fitted_per_step([(16, 1.0), (20, 1.0)]) is None
+    assert fitted_per_step([(16, 1.4e-3), (24, 0.6e-3)]) is None  # slowed at the smaller share
+    assert fitted_per_step([(20, 1.6e-3), (14, 0.55e-3)]) is None  # given its CPU back
+    # Nothing fitted: the newest measurement's samples per second, nothing fixed.
+    assert compute_model(32, 0.7e-3, 0.0) == (32 / 0.7e-3, 0.0)
+    # A CPU 2.5 times faster scales both parts: the part per step in samples still reads the speed right.
+    rate, fixed = compute_model(14, (0.43e-3 + 14 * 8.5e-6) / 2.5, per_step)
+    assert rate == pytest.approx(2.5 / 8.5e-6) and fixed == pytest.approx(0.43e-3 / 2.5)
 
 
 class _Pair:
@@ -183,29 +190,34 @@ class _Pair:
         return Comm()
 
 
-def _cuts_until_even(monkeypatch, fit: bool) -> int:
-    """Two ranks of one speed, 0.43 ms a step and 8.5 us a sample, from a cut of 94/2 (the second's host
-    was slow, its share at the minimum, and is back): the cuts until it takes 80% of its equal part again."""
+def _cuts_until_even(monkeypatch, fit: bool, slow_cuts: int = 0, mixed_steps: int = 0) -> int:
+    """Two ranks of one speed, 0.43 ms a step and 8.5 us a sample. The second's host was slow (at 0.6 of
+    the speed for `slow_cuts` cuts from equal shares, or with no such history its share at the minimum,
+    94/2), and is back, the first `mixed_steps` of the first window after still slow: the cuts from then
+    until it takes 80% of its equal part again."""
     clock = threading.local()
     monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: clock.now)
     if not fit:  # the cut before the fit: proportional to samples per second
-        monkeypatch.setattr("workbench.strategies.balance.compute_model", lambda points: (
-            points[-1][0] / points[-1][1], 0.0))
-    pair, cuts = _Pair(), [None, None]
+        monkeypatch.setattr("workbench.strategies.balance.compute_model", lambda share, seconds, per_step: (
+            share / seconds, 0.0))
+    pair, cuts, every = _Pair(), [None, None], 4
 
     def rank(r: int) -> None:
         clock.now = 0.0
-        balance = BatchBalance(rank=r, world_size=2, batch_size=48, every=4)
-        balance.shares, balance._measured, balance._warm = [94, 2], True, True
-        for cut in range(1, 100):
-            for _ in range(4):
+        balance = BatchBalance(rank=r, world_size=2, batch_size=48, every=every)
+        balance._warm = True
+        if not slow_cuts:
+            balance.shares, balance._measured = [94, 2], True
+        for cut in range(1 - slow_cuts, 100):
+            for step in range(every if balance._measured else FIRST_CUT_STEPS):
+                speed = 0.6 if r == 1 and (cut <= 0 or (cut == 1 and step < mixed_steps)) else 1.0
                 balance.share()
-                clock.now += 0.43e-3 + 8.5e-6 * balance.shares[r]
+                clock.now += (0.43e-3 + 8.5e-6 * balance.shares[r]) / speed
                 balance.computed()
                 balance.exchanged()
                 balance.stepped()
             balance.rebalance(pair.comm(r))
-            if balance.shares[1] >= 0.8 * 48:
+            if cut > 0 and balance.shares[1] >= 0.8 * 48:
                 cuts[r] = cut
                 return
 
@@ -223,3 +235,13 @@ def test_a_share_comes_back_within_a_few_cuts_when_its_hosts_speed_does(monkeypa
     assert _cuts_until_even(monkeypatch, fit=True) <= 4
     # In proportion to samples per second, the rank with the smaller share reads slower than it is: 9 cuts.
     assert _cuts_until_even(monkeypatch, fit=False) >= 8
+
+
+def test_a_part_per_step_fitted_before_a_change_of_speed_reads_the_speed_after_it(monkeypatch):
+    # The slow host's cuts from equal shares fit the part per step; once it is back, its measurements at the
+    # new speed fit nothing against the slow ones, and the part in samples fitted before still holds.
+    # 2 cuts, with or without slow steps in the first window after; fitting only the newest pair gave 4,
+    # as many as samples per second give.
+    assert _cuts_until_even(monkeypatch, fit=True, slow_cuts=8) <= 2
+    assert _cuts_until_even(monkeypatch, fit=True, slow_cuts=8, mixed_steps=2) <= 2
+    assert _cuts_until_even(monkeypatch, fit=False, slow_cuts=8, mixed_steps=2) >= 4

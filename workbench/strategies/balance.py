@@ -9,8 +9,14 @@ A step's compute is not all per sample: a small model's forward and backward pay
 the batch (measured, MLP 64-256-256 on one thread: 0.47 ms at 4 samples, 0.71 ms at 32). A cut in
 proportion to samples per second would read the rank with the smaller share as slower per sample than it
 is, and keep its share small: on the lab (`average` p64, cut at its syncs) a host given its CPU back took
-550 steps to take 80% of its part again, 171-369 with the fit (one run before, five after). So each rank fits its compute time as a part per step and a part per sample from its last
-two measurements at shares far enough apart (`compute_model`), and sends that part per step as fixed time.
+550 steps to take 80% of its part again. So each rank fits its compute time as a part per step and a part
+per sample from two measurements at shares far enough apart (`fitted_per_step`), and sends that part per
+step as fixed time. A fit needs both measurements at one speed of the host, which a change of speed
+breaks: a host given its CPU back at a small share read against its slow measurements, and the cut fell
+back to samples per second (on CI, 623 steps to 80% of its part). But a faster or slower CPU scales both
+parts alike, so the part per step counted in samples (`per_step_samples`) outlives the change: each rank
+keeps the median of its last fits of it, and its newest measurement alone gives its speed
+(`compute_model`).
 Once `every` steps are measured, at a point the strategy chooses (`allreduce`: any step; `average`: a sync)
 the ranks share those measurements, and each computes the same new cut of the global batch
 (`sharding.balanced_shares`): a worker twice as fast takes about twice the samples, so the ranks' steps
@@ -38,23 +44,30 @@ FIRST_CUT_STEPS = 3
 # Two measurements fit a part per step only at shares this far apart (of the larger): closer, a few percent
 # of noise in a median step time swings the fitted slope by more than its size.
 FIT_SPREAD = 0.2
-KEPT = 4  # measurements kept per rank for the fit: the newest and the ones before it
+KEPT = 4  # measurements kept per rank for the fit, and fits for their median: the newest and the ones before
 
 
-def compute_model(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """A rank's compute speed from its measurements, (share, median compute seconds a step), oldest first:
-    (samples per second, seconds a step whatever the share). The newest measurement with the latest one
-    at a share FIT_SPREAD apart gives a line; where there is none, or the line says that more samples take
-    no longer or that a step takes less than nothing (the speed changed between the two, or noise), the
-    speed is the newest measurement's samples per second and no part is fixed."""
+def fitted_per_step(points: list[tuple[int, float]]) -> float | None:
+    """A step's part that no share changes, counted in samples of the same step (seconds a step whatever
+    the share over seconds a sample), from a rank's measurements (share, median compute seconds a step),
+    oldest first: the newest with the latest one at a share FIT_SPREAD apart give a line. None where there
+    is no such pair, or the line says that more samples take no longer or that a step takes less than
+    nothing (the speed changed between the two, or noise)."""
     share, seconds = points[-1]
-    proportional = (share / seconds, 0.0)
     for old_share, old_seconds in reversed(points[:-1]):
         if abs(share - old_share) >= FIT_SPREAD * max(share, old_share):
             per_sample = (seconds - old_seconds) / (share - old_share)
             fixed = seconds - per_sample * share
-            return (1.0 / per_sample, fixed) if per_sample > 0 and fixed >= 0 else proportional
-    return proportional
+            return fixed / per_sample if per_sample > 0 and fixed >= 0 else None
+    return None
+
+
+def compute_model(share: int, seconds: float, per_step_samples: float) -> tuple[float, float]:
+    """A rank's compute speed from its newest measurement (`share` samples in a median `seconds` a step) and
+    the part of a step no share changes, in samples (`fitted_per_step`; 0 where none is known): (samples
+    per second, seconds a step whatever the share)."""
+    per_sample = seconds / (per_step_samples + share)
+    return 1.0 / per_sample, per_step_samples * per_sample
 
 
 class BatchBalance:
@@ -67,6 +80,7 @@ class BatchBalance:
         self._started: float | None = None
         self._compute_s: list[float] = []  # each step's compute measured since the last rebalance, at this share
         self._points: list[tuple[int, float]] = []  # (share, median compute) of the last KEPT cuts' measurements
+        self._per_step: list[float] = []  # the last KEPT fits of a step's part no share changes, in samples
         self._fixed_s: list[float] = []  # each step's optimizer step, from the exchange's end to `after_step`
         self._free_at: float | None = None
         self._steps = 0  # measured since the last rebalance: the same count on every rank, whatever it timed
@@ -119,8 +133,12 @@ class BatchBalance:
         changed."""
         own = [0.0, 0.0]
         if self._compute_s:
-            self._points = (self._points + [(self.shares[self.rank], statistics.median(self._compute_s))])[-KEPT:]
-            rate, per_step = compute_model(self._points)
+            share, seconds = self.shares[self.rank], statistics.median(self._compute_s)
+            self._points = (self._points + [(share, seconds)])[-KEPT:]
+            fitted = fitted_per_step(self._points)
+            if fitted is not None:
+                self._per_step = (self._per_step + [fitted])[-KEPT:]
+            rate, per_step = compute_model(share, seconds, statistics.median(self._per_step) if self._per_step else 0.0)
             own = [rate, per_step + (statistics.median(self._fixed_s) if self._fixed_s else 0.0)]
         measured = [(float(rate), float(fixed)) for rate, fixed in comm.all_gather_json(own)]
         self._compute_s, self._fixed_s, self._steps = [], [], 0
@@ -141,5 +159,5 @@ class BatchBalance:
     def reset(self) -> None:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
-        self._compute_s, self._fixed_s, self._points, self._steps = [], [], [], 0
+        self._compute_s, self._fixed_s, self._points, self._per_step, self._steps = [], [], [], [], 0
         self._started, self._free_at, self._measured, self._warm = None, None, False, False
