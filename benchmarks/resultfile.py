@@ -58,10 +58,17 @@ def commit() -> dict[str, Any]:
         return {"commit": "unknown", "dirty": "unknown"}
 
 
-def tree_is_dirty() -> bool:
-    """Whether tracked files differ from the commit (untracked ones, such as scratch output, do not count)."""
-    return bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+# What `python -m benchmarks run` and `render` write: not code a result measures. A run of several benchmarks
+# writes the first one's file before the next starts, and counting it marked every later result dirty.
+OUTPUTS = ("benchmarks/results", "docs/benchmarks.md")
+
+
+def tree_is_dirty(root: Path = ROOT) -> bool:
+    """Whether tracked files differ from the commit, the benchmarks' own outputs (OUTPUTS) aside; untracked
+    ones, such as scratch output, do not count either."""
+    outputs = [f":(exclude){path}" for path in OUTPUTS]
+    return bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *outputs], capture_output=True, text=True, check=True).stdout.strip())
 
 
 def machine(description: str = "") -> dict[str, Any]:

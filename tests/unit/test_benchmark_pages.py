@@ -54,3 +54,28 @@ def test_a_machine_class_is_named_by_its_cores_or_its_gpu(monkeypatch):
     assert resultfile.machine_class() == "gpu-h100"
     monkeypatch.delenv("WORKBENCH_MACHINE_CLASS")
     assert resultfile.machine_class() == f"cpu-{os.cpu_count()}core"  # torch here has no CUDA
+
+
+def test_a_tree_is_dirty_for_code_changed_not_for_the_results_a_run_writes(tmp_path):
+    # A run of several benchmarks writes the first one's result before the next starts: that file, and the
+    # page rendered from the files, are outputs, not code a result measures.
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results" / "cpu-2core").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    files = {"workbench.py": "x = 1\n", "benchmarks/results/cpu-2core/scale.json": "{}\n", "docs/benchmarks.md": "#\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start")
+    assert not resultfile.tree_is_dirty(tmp_path)
+    (tmp_path / "benchmarks/results/cpu-2core/scale.json").write_text('{"new": 1}\n')
+    (tmp_path / "docs/benchmarks.md").write_text("# rendered\n")
+    (tmp_path / "scratch.json").write_text("{}\n")  # untracked
+    assert not resultfile.tree_is_dirty(tmp_path)
+    (tmp_path / "workbench.py").write_text("x = 2\n")
+    assert resultfile.tree_is_dirty(tmp_path)
