@@ -16,7 +16,7 @@ from typing import Any
 import catalog
 import resultfile
 
-PAGE = resultfile.ROOT / "docs" / "benchmarks.md"
+PAGE = resultfile.PAGE
 MEASURED = ("workbench", "testbed", "planner")  # the code a result measures, besides its own script
 MAX_ROWS = 60  # a cells table longer than this shows its first rows and says how many it left out
 

@@ -20,6 +20,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
+PAGE = ROOT / "docs" / "benchmarks.md"  # rendered from the result files (pages.py)
 PROVENANCE = ("benchmark", "commit", "dirty", "date", "machine", "settings")  # what every result file holds
 
 
@@ -60,13 +61,13 @@ def commit() -> dict[str, Any]:
 
 # What `python -m benchmarks run` and `render` write: not code a result measures. A run of several benchmarks
 # writes the first one's file before the next starts, and counting it marked every later result dirty.
-OUTPUTS = ("benchmarks/results", "docs/benchmarks.md")
+OUTPUTS = (RESULTS, PAGE)
 
 
 def tree_is_dirty(root: Path = ROOT) -> bool:
     """Whether tracked files differ from the commit, the benchmarks' own outputs (OUTPUTS) aside; untracked
     ones, such as scratch output, do not count either."""
-    outputs = [f":(exclude){path}" for path in OUTPUTS]
+    outputs = [f":(exclude){path.relative_to(ROOT)}" for path in OUTPUTS]
     return bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
                                 *outputs], capture_output=True, text=True, check=True).stdout.strip())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,8 +60,6 @@ def test_a_machine_class_is_named_by_its_cores_or_its_gpu(monkeypatch):
 def test_a_tree_is_dirty_for_code_changed_not_for_the_results_a_run_writes(tmp_path):
     # A run of several benchmarks writes the first one's result before the next starts: that file, and the
     # page rendered from the files, are outputs, not code a result measures.
-    import subprocess
-
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
