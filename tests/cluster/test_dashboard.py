@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import expect
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError, expect
 
 import workbench
 from workbench.plane.metrics import topic
@@ -408,7 +408,12 @@ def test_a_history_of_200_finished_runs_is_listed_opened_and_compared(client, br
         page.get_by_role("combobox", name="Run", exact=True).select_option(ids[0])
         steps = sum(1 for line in (tmp_path / ids[0] / "metrics.jsonl").read_text().splitlines()
                     if '"worker": 0, "step"' in line)
-        page.wait_for_function(f"() => ({COUNT.format(name='loss', column='step')})() === {steps}", timeout=30_000)
+        try:
+            page.wait_for_function(f"() => ({COUNT.format(name='loss', column='step')})() === {steps}", timeout=30_000)
+        except PlaywrightTimeoutError:
+            picked = page.get_by_role("combobox", name="Run", exact=True).input_value()
+            raise AssertionError(f"{count(page, 'loss', 'step')} loss points, {steps} wanted; {picked} picked, "
+                                 f"{ids[0]} chosen") from None
         # Three runs compared: a line each on one time axis, a row each in the table.
         open_tab(page, "Compare")
         history.compare_runs(page, ids[:3], timeout_ms=30_000)
