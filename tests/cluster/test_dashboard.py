@@ -27,7 +27,7 @@ from workbench.plane.rundir import read_metrics
 from workbench.comm.collectives import find_free_port as free_port
 
 import helpers
-from helpers import chromium, end_processes, load_benchmark
+from helpers import chromium, end_processes, first_page, load_benchmark
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -53,15 +53,7 @@ def serving(command, port, sign_in=False, path=""):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/{path}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"the dashboard exited: {process.stdout.read()}"
-            try:
-                urllib.request.urlopen(url + "login" if sign_in else url, timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, "the dashboard did not answer within 60 s"
-                time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
+        first_page(url + "login" if sign_in else url, process, lambda: process.stdout.read())
         yield Served(url, process)
     finally:
         end_processes([process], timeout_s=15)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +19,8 @@ from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
 
 import helpers
-from helpers import certificate_files, chromium, cli_in_process, dask_cluster_on_loopback, end_processes, wait_until
+from helpers import (certificate_files, chromium, cli_in_process, dask_cluster_on_loopback, end_processes, first_page,
+                     wait_until)
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
@@ -157,15 +156,7 @@ def test_cli_trains_on_and_serves_the_dashboard_of_a_tls_scheduler_started_with_
                 [WORKBENCH, "dashboard", "--scheduler", address, *tls_flags(files), "--port", str(port),
                  "--runs-dir", str(tmp_path / "no-runs-here")], stdout=output, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert dashboard.poll() is None, f"the dashboard exited: {log.read_text()}"
-                try:
-                    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert time.monotonic() < deadline, "the dashboard did not answer within 60 s"
-                    time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
+            page = first_page(f"http://127.0.0.1:{port}/", dashboard, log.read_text)
             assert page.status == 200
             assert "serving http://127.0.0.1" in log.read_text()
             assert run_id.startswith("allreduce-")
