@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from bokeh.server.tornado import DEFAULT_CHECK_UNUSED_MS, DEFAULT_UNUSED_LIFETIM
 import resultfile
 import workbench
 from widgets.dashboard.app import REFRESH_MS
-from widgets.dashboard.serve import DEFAULT_NICE
+from widgets.dashboard.serve import DEFAULT_NICE, first_page
 from workbench.data import synthetic
 
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
@@ -78,15 +77,12 @@ def start_dashboard(client, run_dir: str, port: int, refresh_ms: int = REFRESH_M
                                 client.scheduler.address, "--port", str(port), "--runs-dir", run_dir,
                                 "--refresh-ms", str(refresh_ms), "--nice", str(nice)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
-            return process
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("the dashboard did not start")
-            time.sleep(0.2)
+    try:
+        first_page(f"http://127.0.0.1:{port}/", process)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process
 
 
 def _cpu_seconds() -> dict[str, float]:

@@ -29,8 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -100,21 +98,18 @@ def make_runs(directory: Path, runs: int, seed: int = 0, steps_range: tuple[int,
 
 def start_dashboard(address: str, runs_dir: Path, port: int) -> tuple[subprocess.Popen, float]:
     """`workbench dashboard` on the runs; returns the process and the seconds to its first HTTP answer."""
+    from widgets.dashboard.serve import first_page
+
     began = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--scheduler", address,
                                 "--port", str(port), "--runs-dir", str(runs_dir)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the dashboard exited with {process.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
-            return process, time.monotonic() - began
-        except (urllib.error.URLError, ConnectionError):
-            if time.monotonic() - began > 300:
-                process.kill()
-                raise RuntimeError("the dashboard did not answer within 300 s")
-            time.sleep(0.05)  # polling a port not open yet: nothing to wait on
+    try:
+        first_page(f"http://127.0.0.1:{port}/", process, timeout_s=300)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process, time.monotonic() - began
 
 
 def open_tab(page: Any, title: str) -> None:

@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -21,23 +19,6 @@ def wait_until(condition, timeout_s=30.0, interval_s=0.02):
             return
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
-
-
-def first_page(url, process, describe=lambda: "", timeout_s=60.0):
-    """The first page a dashboard process serves at `url`, once its port is open; fails (with
-    `describe()`) when the process exits or nothing is served within `timeout_s`.
-
-    Once the port is open, one request waits for its page as long as the deadline allows: a page asked
-    again after a short timeout is a new session built beside the first, and on a loaded 2-core machine
-    (200 runs to list) those pile up and none is ever served."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert process.poll() is None, f"the dashboard exited: {describe()}"
-        try:
-            return urllib.request.urlopen(url, timeout=max(1.0, deadline - time.monotonic()))
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            assert time.monotonic() < deadline, f"the dashboard did not answer within {timeout_s:.0f} s"
-            time.sleep(0.2)  # polling a port that is not open yet: nothing to wait on
 
 
 def end_processes(processes, timeout_s=20):

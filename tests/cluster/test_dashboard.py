@@ -24,10 +24,11 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError, expect
 import workbench
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import read_metrics
+from widgets.dashboard.serve import first_page
 from workbench.comm.collectives import find_free_port as free_port
 
 import helpers
-from helpers import chromium, end_processes, first_page, load_benchmark
+from helpers import chromium, end_processes, load_benchmark
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -53,7 +54,7 @@ def serving(command, port, sign_in=False, path=""):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/{path}"
     try:
-        first_page(url + "login" if sign_in else url, process, lambda: process.stdout.read())
+        first_page(url + "login" if sign_in else url, process, describe=process.stdout.read)
         yield Served(url, process)
     finally:
         end_processes([process], timeout_s=15)

@@ -17,10 +17,10 @@ import workbench
 from workbench.run.launcher import present_workers
 from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
+from widgets.dashboard.serve import first_page
 
 import helpers
-from helpers import (certificate_files, chromium, cli_in_process, dask_cluster_on_loopback, end_processes, first_page,
-                     wait_until)
+from helpers import certificate_files, chromium, cli_in_process, dask_cluster_on_loopback, end_processes, wait_until
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
@@ -156,7 +156,7 @@ def test_cli_trains_on_and_serves_the_dashboard_of_a_tls_scheduler_started_with_
                 [WORKBENCH, "dashboard", "--scheduler", address, *tls_flags(files), "--port", str(port),
                  "--runs-dir", str(tmp_path / "no-runs-here")], stdout=output, stderr=subprocess.STDOUT)
         try:
-            page = first_page(f"http://127.0.0.1:{port}/", dashboard, log.read_text)
+            page = first_page(f"http://127.0.0.1:{port}/", dashboard, describe=log.read_text)
             assert page.status == 200
             assert "serving http://127.0.0.1" in log.read_text()
             assert run_id.startswith("allreduce-")

@@ -16,6 +16,8 @@ import socket
 import ssl
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,26 @@ def _wait_until_listening(address: str, port: int, timeout_s: float = 30.0) -> N
                 raise ClusterError(f"the dashboard did not start listening on {address}:{port} "
                                    f"within {timeout_s:.0f} s") from None
             time.sleep(0.05)  # nothing to wait on but the port itself
+
+
+def first_page(url: str, process: Any, timeout_s: float = 60.0, describe: Any = lambda: "") -> Any:
+    """The first page that a dashboard started as `process` (a `subprocess.Popen`) serves at `url`, once
+    its port is open; RuntimeError (with `describe()`) when the process exits or nothing is served within
+    `timeout_s`. For scripts and tests that start `workbench dashboard` and wait for it.
+
+    Once the port is open, one request waits for its page as long as the deadline allows: a page asked
+    again after a short timeout is a new session built beside the first, and on a loaded 2-core machine
+    (200 runs to list) those piled up and none was ever served."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the dashboard exited with {process.returncode}: {describe()}")
+        try:
+            return urllib.request.urlopen(url, timeout=max(1.0, deadline - time.monotonic()))
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the dashboard did not answer within {timeout_s:.0f} s") from None
+            time.sleep(0.05)  # polling a port that is not open yet: nothing to wait on
 
 
 def _own_client(client: Any) -> Any:
