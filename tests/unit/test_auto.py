@@ -464,3 +464,23 @@ def test_a_window_counts_each_workers_samples_and_the_others_wait_for_the_last_b
     assert window_.per_sample() == {0: pytest.approx(0.02 / 136), 1: pytest.approx(0.02 / 120)}
     assert window_.exchange_s == pytest.approx(0.01) and window_.waiting_s == pytest.approx(0.03)
     assert measure(records, "easgd").waiting_s is None  # nobody waits for anyone there
+
+
+def test_a_worker_whose_records_come_late_is_judged_on_the_exchanges_the_others_made_too():
+    """Average p32 on a link that just fell: the sync at step 31 took 70 ms, the one at 63 about 2 s. Workers
+    0 and 2 had step 31 judged a window ago; worker 1's records of it came late, with step 63's. Read beside
+    the others' step 63, its step 31 made it look the last arrival, and the others as waiting 1.1 s for it."""
+    records = []
+    for worker, late_s in ((0, 2.2), (1, 1.88), (2, 1.91)):
+        for step in range(64):
+            synced = step in (31, 63)
+            records.append({"worker": worker, "step": step, "time": 100 + 0.0022 * step + (2 if step > 31 else 0),
+                            "samples": 32, "compute_s": 0.0022, "comm_s": 0.0,
+                            "comm_total_s": (0.07 if step == 31 else late_s) if synced else None})
+    judged = {0: 100 + 0.0022 * 31, 2: 100 + 0.0022 * 31}  # worker 1's step 31: not judged yet
+    window_ = measure(records, "average", since=judged)
+    assert window_.exchange_s == pytest.approx(1.88) and window_.waiting_s == pytest.approx(2.055 - 1.88)
+    assert fitting(window_, {"period": 32, "overlap": True})[0] == "easgd"  # the link, not a straggler
+    # Records without steps: every new exchange counts, worker 1's median then mixes the two syncs.
+    unnumbered = [{k: v for k, v in record.items() if k != "step"} for record in records]
+    assert measure(unnumbered, "average", since=judged).exchange_s == pytest.approx((0.07 + 1.88) / 2)

@@ -160,8 +160,11 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
     # A worker with none in the window: its exchange is not known yet.
     field = "comm_s" if strategy == "allreduce" else "comm_total_s"
     since = since or {}
-    costs = {w: [r[field] for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
-             for w, steps in by_worker.items()}
+    landed = {w: [r for r in steps if r.get(field) is not None and r["time"] > since.get(w, -math.inf)]
+              for w, steps in by_worker.items()}
+    if strategy in SYNCHRONOUS:
+        landed = _same_exchanges(landed)
+    costs = {w: [r[field] for r in steps] for w, steps in landed.items()}
     pick = min if strategy in SYNCHRONOUS else max
     medians = {w: statistics.median(c) for w, c in costs.items()} if all(costs.values()) else {}
     exchange = pick(medians.values()) if medians else None
@@ -172,6 +175,20 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
         last = min(medians, key=medians.get)
         waiting = statistics.median(c for w, c in medians.items() if w != last) - exchange
     return Window(strategy, compute, rates, exchange, samples, waiting)
+
+
+def _same_exchanges(landed: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    """Synchronous: only the exchanges every worker has a new record of, by step (each step's exchange is
+    one collective on all of them). A worker whose records come late (over a link that just fell they queue
+    behind the exchange) brings exchanges the others' were judged on a window before: read beside the
+    others' later, slower ones, its earlier fast one made it the last arrival and the others looked as if
+    waiting for it (on the lab at 2 Mbit/s, a straggler read in the window after the fall, and the count of
+    windows confirming the move began again). Records without steps, or none in common: all kept."""
+    steps = [{r.get("step") for r in records} for records in landed.values()]
+    common = set.intersection(*steps) - {None} if steps else set()
+    if not common:
+        return landed
+    return {w: [r for r in records if r.get("step") in common] for w, records in landed.items()}
 
 
 def _period(exchange_in_steps: float) -> int:

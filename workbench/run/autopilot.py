@@ -7,6 +7,7 @@ on again (`auto-on`), on any run.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -60,6 +61,14 @@ class AutoPilot:
         # live (balance) keeps the strategy, and the records from before it would still read the straggler
         # it was made for, confirming a move away before the change could show.
         self._applied_at = 0.0
+        # Held from a judgement to its decision's event: the supervisor's thread ticks, and a reader between
+        # the chooser's reset and the decision's count saw no choice pending and no new decision.
+        self._lock = threading.Lock()
+
+    def progress(self) -> tuple[int, int, bool]:
+        """Windows judged, decisions made, and whether a choice waits to be confirmed, read together."""
+        with self._lock:
+            return self.judged, self.decisions, self.chooser.pending
 
     def tick(self, run: Any, now: float) -> None:
         """Judge the last window when one is due, or sooner when the exchange it waits on has landed;
@@ -69,6 +78,24 @@ class AutoPilot:
         first = self._first_steps(run) if self.judged == 0 else None
         if now < self._next and first is None and not self._evidence_landed(run, now):
             return
+        with self._lock:
+            choice = self._judge(run, now, first)
+        if choice is None:
+            return
+        try:
+            if choice.lr_factor != 1.0:
+                run.set_lr(run.lr * choice.lr_factor)
+            live = get_strategy(run.strategy).settings_class.live
+            if choice.strategy == run.strategy and set(choice.settings) <= set(live):
+                run.update(**choice.settings)  # a live setting (balance): no switch to make
+            else:
+                run.switch(choice.strategy, by_auto=True, **choice.settings)
+            self._applied_at = time.time()
+        except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
+            self.pin(run, f"the switch was refused: {error}")
+
+    def _judge(self, run: Any, now: float, first: list[dict[str, Any]] | None) -> Any:
+        """Measure the window due and let the chooser judge it; a choice is published as an event."""
         self._next, self._judged_at = now + self.window_s, now
         window, newest = (measure(first, run.strategy), _newest(first)) if first is not None else \
             self._measure(run, self.window_s)
@@ -81,11 +108,11 @@ class AutoPilot:
         choice = self.chooser.observe(window, run.settings, now)
         self.judged, self.last_window = self.judged + (window is not None), window
         if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
-            log.debug("auto %s: spread %.2f (window %.2f), exchange %s steps, compute %s, seen %d",
+            log.debug("auto %s: spread %.2f (window %.2f), exchange %s steps, compute %s, seen %d of %s",
                       window.strategy, self.chooser.spread or 0, window.speed_spread, window.exchange_in_steps,
-                      {w: round(t * 1000, 2) for w, t in window.compute_s.items()}, self.chooser._seen)
+                      {w: round(t * 1000, 2) for w, t in window.compute_s.items()}, self.chooser._seen, self.chooser._candidate)
         if choice is None:
-            return
+            return None
         lr = run.lr * choice.lr_factor
         self.decisions += 1
         steps = [r["step"] for r in run.table.last_steps().values()]
@@ -96,17 +123,7 @@ class AutoPilot:
             "window": self.judged,  # the judgement that decided it, counted as `judged` counts
             "measured": {"exchange_in_steps": window.exchange_in_steps, "speed_spread": window.speed_spread,
                          "compute_s": window.compute_s, "samples_per_s": window.samples_per_s}})
-        try:
-            if choice.lr_factor != 1.0:
-                run.set_lr(lr)
-            live = get_strategy(run.strategy).settings_class.live
-            if choice.strategy == run.strategy and set(choice.settings) <= set(live):
-                run.update(**choice.settings)  # a live setting (balance): no switch to make
-            else:
-                run.switch(choice.strategy, by_auto=True, **choice.settings)
-            self._applied_at = time.time()
-        except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
-            self.pin(run, f"the switch was refused: {error}")
+        return choice
 
     def _evidence_landed(self, run: Any, now: float) -> bool:
         """Whether a judgement waiting on the link may be made before its tick: the last one saw no new
