@@ -24,8 +24,9 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError, expect
 import workbench
 from workbench.plane.metrics import topic
 from workbench.plane.rundir import read_metrics
-from widgets.dashboard.serve import first_page
 from workbench.comm.collectives import find_free_port as free_port
+
+from widgets.dashboard.serve import first_page
 
 import helpers
 from helpers import chromium, end_processes, load_benchmark

@@ -17,6 +17,7 @@ import workbench
 from workbench.run.launcher import present_workers
 from workbench.comm.collectives import find_free_port
 from workbench.errors import ClusterError, ConfigError
+
 from widgets.dashboard.serve import first_page
 
 import helpers
