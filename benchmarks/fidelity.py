@@ -30,7 +30,8 @@ the capacity measured nearest it (the mean of the measurements just before and a
 speed counts its steps after the first quarter of its time (balancing settles in its first measurements),
 leaving out the intervals that held a held-out evaluation (the capacity's loops evaluate nothing).
 Computed: `balanced_share_of_capacity` (host 2 at half a core; target >= 0.9) and
-`balanced_share_of_capacity_quarter`, with every configuration's share beside.
+`balanced_share_of_capacity_quarter` (the medians of the three runs; each run's share in
+`share_of_capacity_runs`), with every configuration's share beside.
 
 `--thin` (issue 45, links ten times thinner): DDP on the unlimited link (at equal samples the link changes
 no loss, only the time), then `average` p16 (plain averaging: the grid's best at 256 steps) whole in float32,
@@ -117,6 +118,9 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 QUICK = ("average p16", "easgd p16", "async p4", "auto")  # the grid's best averaging ones at 100 Mbit/s, and two to judge
 BALANCED = "allreduce balanced"  # what --balance judges against the capacity
+# Runs of it per condition, each between two measurements of the capacity: the median of three. Two runs of
+# the same code read 0.92 and 0.85 of the capacity around them (2026-12-02), and their mean was the headline.
+BALANCE_REPEATS = 3
 BALANCE = ("allreduce", BALANCED, "async p4", "auto")  # beside the capacity and DDP, --balance
 THIN = ("average p16", "average p16 overlap bf16", "average p16 sparse", "average p4 sparse",
         "average p1 overlap sparse")
@@ -381,6 +385,7 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
     of its measurements) and each configuration's share of it, the median over its runs of each run's
     steady speed over the capacity measured nearest it in time (`nearest_capacity`); the issue's keys."""
     shares: dict[str, dict[str, float | None]] = {}
+    each: dict[str, dict[str, list[float]]] = {}  # every run's share, in the order measured: the spread
     capacity: dict[str, float | None] = {}
     for condition in SLOW_HOSTS:
         row = [c for c in cells if c["condition"] == condition]
@@ -393,9 +398,10 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
                     if c["config"] == config and c.get("curve") and c.get("steady_samples_per_s")]
             ratios = [rate / around for rate, around in runs if around]
             shares.setdefault(condition, {})[config] = median_or_none(ratios) if ratios else None
+            each.setdefault(condition, {})[config] = ratios
     if not any(capacity.values()):
         return {}
-    return {"capacity_samples_per_s": capacity, "share_of_capacity": shares,
+    return {"capacity_samples_per_s": capacity, "share_of_capacity": shares, "share_of_capacity_runs": each,
             "balanced_share_of_capacity": shares.get("slow-host", {}).get(BALANCED),
             "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get(BALANCED)}
 
@@ -518,11 +524,11 @@ def plan(arguments: argparse.Namespace) -> list[Cell]:
     configs = [c for c in CONFIGS if (chosen is None or c[0] in chosen)
                and (not arguments.only or any(o in c[0] for o in arguments.only.split(",")))]
     ddp = not arguments.only or "ddp" in arguments.only.split(",")  # the reference, unless --only leaves it out
-    # --balance: the capacity measured before, between and after two runs of the configuration it judges (on
-    # this VM the hosts' speed alone moved by 15% from one minute to the next), then the others.
+    # --balance: the capacity measured before, between and after BALANCE_REPEATS runs of the configuration it
+    # judges (on this VM the hosts' speed alone moved by 15% from one minute to the next), then the others.
     judged = [c for c in configs if balance and c[0] == BALANCED]
     alone = ("alone", "alone", {})
-    first = [alone, *judged, alone, *judged, alone] if balance else []
+    first = [cell for _ in range(BALANCE_REPEATS) for cell in (alone, *judged)] + [alone] if balance else []
     configs = [c for c in configs if c not in judged]
 
     def with_ddp(condition: str) -> bool:  # thin: on the unlimited link only (hours at 10 Mbit/s, same loss)

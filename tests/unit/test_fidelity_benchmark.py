@@ -122,11 +122,12 @@ def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
 def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     arguments = argparse.Namespace(quick=False, balance=True, conditions="", only=None, seeds=3)
     plan = fidelity.plan(arguments)
-    assert [(c[0], c[1]) for c in plan[:9]] == [
+    assert [(c[0], c[1]) for c in plan[:11]] == [
         ("slow-host", "alone"), ("slow-host", "allreduce balanced"), ("slow-host", "alone"),
-        ("slow-host", "allreduce balanced"), ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"),
-        ("slow-host", "async p4"), ("slow-host", "auto")]
-    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 18
+        ("slow-host", "allreduce balanced"), ("slow-host", "alone"), ("slow-host", "allreduce balanced"),
+        ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"), ("slow-host", "async p4"),
+        ("slow-host", "auto")]
+    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 22
     assert fidelity.seeded(arguments, []) == []
     cells = [dict(cell("ddp", "slow-host", [(40, 2.5), (80, 2.1)]), steady_samples_per_s=200.0),
              dict(cell("allreduce balanced", "slow-host", [(30, 2.3), (60, 2.1)]), steady_samples_per_s=285.0),
@@ -155,6 +156,7 @@ def test_each_balanced_run_is_judged_against_the_capacity_measured_around_it():
     result = fidelity.balance_headline(cells)
     assert result["capacity_samples_per_s"]["slow-host"] == 250.0  # the median of the three
     assert result["balanced_share_of_capacity"] == pytest.approx((230 / 225 + 190 / 225) / 2)
+    assert result["share_of_capacity_runs"]["slow-host"]["allreduce balanced"] == pytest.approx([230 / 225, 190 / 225])
     assert result["share_of_capacity"]["slow-host"]["ddp"] == pytest.approx(150 / 250)  # the last one before it
     assert fidelity.nearest_capacity(cells, 0) == 200.0 and fidelity.nearest_capacity(cells[1:2], 0) is None
 
