@@ -11,14 +11,15 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from workbench.plane import kinds
 from workbench.plane.link import LinkBook
 from workbench.plane.deadline import WaitBook
 from workbench.plane import worker_spread
+
+if TYPE_CHECKING:  # pandas is imported where a table is made: a worker process never needs it (0.3 s)
+    import pandas as pd
 
 STEP_FIELDS = tuple(kinds.STEP_FIELDS)  # the loop's own fields of every step record
 
@@ -222,6 +223,8 @@ class MetricsTable:
         """Per-step records, one row per worker step."""
         with self._lock:
             rows = list(self._steps)
+        import pandas as pd
+
         frame = pd.DataFrame(rows)
         return frame.drop(columns=["kind"]) if "kind" in frame else frame
 
@@ -240,6 +243,8 @@ class MetricsTable:
             return [r for r in self._other if kind is None or r.get("kind") == kind]
 
     def evaluations(self) -> pd.DataFrame:
+        import pandas as pd
+
         return pd.DataFrame(self.events(kinds.EVAL))
 
     def last_steps(self) -> dict[int, dict[str, Any]]:
@@ -467,6 +472,8 @@ def communication_summary(frame: pd.DataFrame) -> dict[str, Any]:
     if frame.empty or "bytes_sent" not in frame:
         return {}
     steps = len(frame)
+    import pandas as pd
+
     received = frame["bytes_received"].fillna(0) if "bytes_received" in frame else pd.Series(0.0, index=frame.index)
     summary: dict[str, Any] = {"bytes_sent_per_step": float(frame["bytes_sent"].fillna(0).sum()) / steps,
                                "bytes_received_per_step": float(received.sum()) / steps}
