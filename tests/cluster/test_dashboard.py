@@ -84,7 +84,7 @@ class Served(str):
 
 def open_dashboard(browser, url, run_id, user=None, password=None):
     """A page of the dashboard in a fresh browser context (its own cookies: one signed-in user)."""
-    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = _blank_page(browser)
     page.goto(url)
     if user:
         page.fill("input[name=username]", user)
@@ -95,10 +95,14 @@ def open_dashboard(browser, url, run_id, user=None, password=None):
 
 def open_dashboards(browser, url, run_id, viewers):
     """`viewers` pages of the dashboard, each in its own context, loading side by side as a team's would."""
-    pages = [browser.new_context(viewport={"width": 1400, "height": 1000}).new_page() for _ in range(viewers)]
+    pages = [_blank_page(browser) for _ in range(viewers)]
     for page in pages:
         page.goto(url, wait_until="commit")
     return [shown(page, run_id) for page in pages]
+
+
+def _blank_page(browser):
+    return browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
 
 
 def shown(page, run_id):

@@ -24,7 +24,7 @@ def test_digits_are_scikit_learns_own_read_without_importing_it(monkeypatch):
     assert inputs.shape == (1797, 64) and sorted(set(targets.tolist())) == list(range(10))
 
 
-def test_digits_splits_hold_every_image_once():
+def test_digits_splits_together_hold_all_1797_images_scaled_to_0_1():
     splits = digits()
     train, held_out = splits.train.load(), splits.eval.load()
     assert len(train) + len(held_out) == 1797
