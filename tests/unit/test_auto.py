@@ -347,6 +347,8 @@ def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_wa
 
     run, pilot = _Run(), AutoPilot(workers=2)
     run.strategy, run.settings = "allreduce", {}
+    published = []  # each event with whether the pilot's lock was held as it went out
+    run.feed.publish = lambda event: published.append((event, pilot._lock.locked()))
     t, step = 0.0, 0
     pilot.tick(run, t)  # the run's start: nothing measured yet
     while t < 3 and not run.switches:
@@ -360,6 +362,18 @@ def test_the_first_judgement_comes_once_every_worker_has_its_first_steps_past_wa
     assert run.switches == [("average", {"period": 16, "overlap": True})], run.switches
     assert step == WARMUP_STEPS + FIRST_STEPS and t < 1.5, (step, t)  # at the tick after the last of them, not at 2 s
     assert pilot.judged == 1
+    # The decision goes out as an event the scheduler carries (keyed by worker, as every viewer reads it),
+    # and not under the pilot's lock: a reader of `progress` may hold the feed's condition, which storing
+    # the event takes (the two taken in opposite orders hung a lab test).
+    from distributed.client import _is_dumpable
+
+    from workbench.plane.metrics import wire_form
+
+    ((decision, under_lock),) = published
+    assert decision["kind"] == "auto-decision" and decision["to"] == "average" and not under_lock
+    assert set(decision["measured"]["compute_s"]) == {0, 1} and not _is_dumpable(decision)  # as judged
+    sent = wire_form(decision)
+    assert _is_dumpable(sent) and sent["measured"]["compute_s"] == {"0": 0.01, "1": 0.01}
 
 
 def test_pin_is_refused_on_a_run_not_started_with_auto_and_auto_takes_no_settings(tmp_path):

@@ -94,6 +94,24 @@ def test_exchanges_queued_on_a_link_they_share_are_time_on_the_link_not_waiting(
     assert limit["bound"] == "link"
 
 
+def test_exchanges_slowed_in_bursts_are_time_on_the_link_even_when_most_are_quick():
+    # As read on the lab at 100 Mbit/s (ssp, three ranks, the server on a fourth rank's host): most round
+    # trips take 1.3 s, but when the ranks' pushes meet at the server's link a burst of them takes 2.5 s.
+    # Each step is its compute and its exchange, nothing else: the link bounds the run, and its share of
+    # the link's limit is what the bursts leave (a median of the exchanges read 1.3 s and said "waiting").
+    took = [2.5 if step % 8 >= 5 else 1.3 for step in range(32)]
+    records, clock = [], 100.0
+    for step, seconds in enumerate(took):
+        clock += 0.02 + seconds
+        records += [{"kind": "step", "worker": worker, "step": step, "time": clock, "samples": 128,
+                     "compute_s": 0.02, "strategy": "ssp", "bytes_sent": MODEL_BYTES, "bytes_received": MODEL_BYTES,
+                     "comm_total_s": seconds} for worker in range(2)]
+    limit = _limit(records, paced=True)
+    assert limit["link_samples_per_s"] == pytest.approx(2 * 128 / 1.3)
+    assert limit["share_of_link"] == pytest.approx(1.3 / (0.02 + sum(took[1:]) / 31), rel=0.01)
+    assert limit["share_of_link"] < 0.8 and limit["bound"] == "link"
+
+
 def test_time_spent_neither_computing_nor_exchanging_is_called_waiting():
     # A step every second, of which 0.07 s compute and 0.1 s on the link: the rest is waiting (a straggler,
     # a queue at the server).

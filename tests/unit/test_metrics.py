@@ -169,3 +169,20 @@ def test_the_runs_feed_takes_each_message_a_batches_message_carries(tmp_path):
     assert feed.finished_ranks == {5} and feed.table.steps_received == 2
     assert [(r["kind"], r["worker"]) for r in read_metrics(tmp_path / "run")] == [
         ("step", 3), ("step", 3), (kinds.WORKER_FINISHED, 5)]
+
+
+def test_a_record_of_the_clients_own_goes_out_in_the_form_the_scheduler_carries():
+    import numpy as np
+    import torch
+    from distributed.client import _is_dumpable
+
+    from workbench.plane.metrics import wire_form
+
+    record = {"kind": "auto-decision", "measured": {"compute_s": {0: np.float64(0.01), 2: 0.02}},
+              "workers": (1, 2), "loss": torch.tensor(0.5), "rows": [{3: np.int64(7)}], "reason": None}
+    assert not _is_dumpable(record)
+    sent = wire_form(record)
+    assert _is_dumpable(sent)
+    assert sent == {"kind": "auto-decision", "measured": {"compute_s": {"0": 0.01, "2": 0.02}}, "workers": [1, 2],
+                    "loss": 0.5, "rows": [{"3": 7}], "reason": None}
+    assert type(sent["measured"]["compute_s"]["0"]) is float and type(sent["rows"][0]["3"]) is int

@@ -29,6 +29,19 @@ def topic(run_id: str) -> str:
     return f"workbench-{run_id}"
 
 
+def wire_form(value: Any) -> Any:
+    """`value` as a Dask event carries it (msgpack): mapping keys as strings, numpy scalars as Python
+    numbers, containers walked. The scheduler refuses anything else with a TypeError, and a record of
+    the client's own (an auto decision, keyed by worker) then reached no other viewer."""
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else str(key): wire_form(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [wire_form(item) for item in value]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a numpy or torch scalar
+        return value.item()
+    return value
+
+
 class MetricsSender:
     """Worker side: collects step records and sends them in batches through `send` (injected)."""
 

@@ -79,9 +79,12 @@ class AutoPilot:
         if now < self._next and first is None and not self._evidence_landed(run, now):
             return
         with self._lock:
-            choice = self._judge(run, now, first)
+            choice, decision = self._judge(run, now, first)
         if choice is None:
             return
+        # Published outside the lock: a reader of `progress` may hold the feed's condition, which the
+        # feed takes to store the event (both locks, taken in opposite orders, hung a lab test).
+        run.feed.publish(decision)
         try:
             if choice.lr_factor != 1.0:
                 run.set_lr(run.lr * choice.lr_factor)
@@ -94,8 +97,9 @@ class AutoPilot:
         except WorkbenchError as error:  # the run ended meanwhile, or the choice does not fit it
             self.pin(run, f"the switch was refused: {error}")
 
-    def _judge(self, run: Any, now: float, first: list[dict[str, Any]] | None) -> Any:
-        """Measure the window due and let the chooser judge it; a choice is published as an event."""
+    def _judge(self, run: Any, now: float, first: list[dict[str, Any]] | None) -> tuple[Any, dict[str, Any] | None]:
+        """Measure the window due and let the chooser judge it: its choice (or None) and the event that
+        tells it."""
         self._next, self._judged_at = now + self.window_s, now
         window, newest = (measure(first, run.strategy), _newest(first)) if first is not None else \
             self._measure(run, self.window_s)
@@ -112,18 +116,17 @@ class AutoPilot:
                       window.strategy, self.chooser.spread or 0, window.speed_spread, window.exchange_in_steps,
                       {w: round(t * 1000, 2) for w, t in window.compute_s.items()}, self.chooser._seen, self.chooser._candidate)
         if choice is None:
-            return None
+            return None, None
         lr = run.lr * choice.lr_factor
         self.decisions += 1
         steps = [r["step"] for r in run.table.last_steps().values()]
-        run.feed.publish({
+        return choice, {
             "kind": kinds.AUTO_DECISION, "time": time.time(), "step": min(steps) if steps else 0,
             "from": run.strategy, "to": choice.strategy,
             "settings": choice.settings, "lr": lr, "reason": choice.reason,
             "window": self.judged,  # the judgement that decided it, counted as `judged` counts
             "measured": {"exchange_in_steps": window.exchange_in_steps, "speed_spread": window.speed_spread,
-                         "compute_s": window.compute_s, "samples_per_s": window.samples_per_s}})
-        return choice
+                         "compute_s": window.compute_s, "samples_per_s": window.samples_per_s}}
 
     def _evidence_landed(self, run: Any, now: float) -> bool:
         """Whether a judgement waiting on the link may be made before its tick: the last one saw no new

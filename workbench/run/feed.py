@@ -16,7 +16,7 @@ from typing import Any
 
 from workbench.cluster.announcements import RUNS_TOPIC
 from workbench.plane import kinds
-from workbench.plane.metrics import MetricsTable, expand, messages_in, topic
+from workbench.plane.metrics import MetricsTable, expand, messages_in, topic, wire_form
 from workbench.run.health import LinkWatch, LossWatch
 
 
@@ -73,6 +73,7 @@ class RunFeed:
     def publish(self, message: dict[str, Any]) -> None:
         """A record of the client's own on the run's topic, so that the run directory and every viewer
         get it; kept here directly when the scheduler is unreachable."""
+        message = wire_form(message)  # as every viewer reads it, this client included
         try:
             self.client.log_event(topic(self.run_id), message)
         except Exception:
@@ -98,7 +99,7 @@ class RunFeed:
     def publish_leftover_warnings(self) -> None:
         """Warnings from the last records, once this client no longer hears its own topic: kept here
         directly, and sent for the other viewers."""
-        for warning in self._taken_warnings():
+        for warning in map(wire_form, self._taken_warnings()):
             self.on_message((time.time(), warning))
             try:
                 self.client.log_event(topic(self.run_id), warning)
@@ -109,6 +110,6 @@ class RunFeed:
 def announce(client: Any, message: dict[str, Any]) -> None:
     """Tell every client on the cluster (the team dashboard) about a run: registered, or a new status."""
     try:
-        client.log_event(RUNS_TOPIC, message)
+        client.log_event(RUNS_TOPIC, wire_form(message))
     except Exception:  # the scheduler may be gone at shutdown; the run directory still has everything
         pass
