@@ -9,6 +9,7 @@ import pytest
 def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammate_pins_it(client, run_dir):
     import workbench
     from workbench.plane import kinds
+    from workbench.plane.metrics import messages_in, topic
     from workbench.run.handle import Run
 
     job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, batch_size=16, steps=100_000)
@@ -24,6 +25,10 @@ def test_auto_moves_off_allreduce_when_a_worker_straggles_says_why_and_a_teammat
         assert decision["from"] == decision["to"] == "allreduce" and decision["settings"] == {"balance": True}
         assert "worker 1 computes at" in decision["reason"] and decision["measured"]["speed_spread"] < 0.6
         assert decision["lr"] == pytest.approx(0.1)  # the same updates: the same lr
+        # It went out on the run's topic, so every viewer (the team's dashboard) has it, keyed as it reads it.
+        on_topic = [m for _, message in client.get_events(topic(run.run_id)) for m in messages_in(message)
+                    if m.get("kind") == kinds.AUTO_DECISION]
+        assert on_topic and set(on_topic[0]["measured"]["compute_s"]) == {"0", "1"}, on_topic
         run._wait_for(lambda: _share_of(run, 1, decision["time"]) <= 8, 60, "worker 1's share to shrink")
         per_step = run.table.steps().groupby("step")["samples"].agg(["sum", "count"])
         assert (per_step[per_step["count"] == 2]["sum"] == 32).all(), "every step trains the whole global batch"
