@@ -11,6 +11,9 @@ def test_buckets_follow_backward_order_and_respect_the_cap():
     assert assign_buckets([4, 4, 4, 4], cap_bytes=8) == [[3, 2], [1, 0]]
     assert assign_buckets([4, 100, 4], cap_bytes=8) == [[2], [1], [0]]  # an oversized tensor stands alone
     assert assign_buckets([1, 2, 3], cap_bytes=1000) == [[2, 1, 0]]
+    # The first bucket smaller, as DDP's: its all-reduce starts while backward still runs.
+    assert assign_buckets([4, 4, 4, 4], cap_bytes=1000, first_cap_bytes=4) == [[3], [2, 1, 0]]
+    assert assign_buckets([4, 4, 4, 4], cap_bytes=8, first_cap_bytes=100) == [[3, 2], [1, 0]]  # never over the cap
 
 
 def test_relative_divergence():

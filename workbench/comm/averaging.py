@@ -10,8 +10,10 @@ from collections.abc import Sequence
 import torch
 
 
-def assign_buckets(sizes_in_bytes: Sequence[int], cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets of at most `cap_bytes` (a larger single tensor gets its own).
+def assign_buckets(sizes_in_bytes: Sequence[int], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group parameter indices into buckets of at most `cap_bytes` (a larger single tensor gets its own),
+    the first of them of at most `first_cap_bytes` (DDP's 1 MiB: a model under the cap would otherwise be
+    one bucket, whose all-reduce waits for the whole backward).
 
     Indices are taken in reverse, the order in which backward produces gradients, so the first bucket
     fills (and its all-reduce starts) while the rest of backward still runs.
@@ -21,7 +23,8 @@ def assign_buckets(sizes_in_bytes: Sequence[int], cap_bytes: int) -> list[list[i
     current_bytes = 0
     for index in reversed(range(len(sizes_in_bytes))):
         size = sizes_in_bytes[index]
-        if current and current_bytes + size > cap_bytes:
+        cap = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
+        if current and current_bytes + size > cap:
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(index)
