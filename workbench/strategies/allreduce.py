@@ -45,7 +45,8 @@ class AllReduceSettings(StrategySettings):
     live = ("wire_dtype", "balance", "rebalance_every")
 
     bucket_mb: float = 4.0
-    """Size cap of one all-reduce bucket in MB: smaller overlaps more, larger has less per-call cost."""
+    """Size cap of one all-reduce bucket in MB (the first at most 1 MiB, as DDP's): smaller overlaps more,
+    larger has less per-call cost."""
     wire_dtype: str = "float32"
     """What the gradients travel as: 'float32' (exact), 'fp16' or 'bf16' (half the bytes)."""
     balance: bool = False
