@@ -194,7 +194,7 @@ class ThreadTransport:
     def all_reduce_mean(self, vector: torch.Tensor) -> None:
         vector.copy_(self._queue.submit(self._sum, vector).result().div_(self.group.world_size))
 
-    def start_all_reduce(self, vector: torch.Tensor) -> Any:
+    def start_all_reduce(self, vector: torch.Tensor, channel: int | None = None) -> Any:
         # A handle, never None (strategies take None for "not started"); `vector` holds the sum once done.
         return self._queue.submit(lambda: vector.copy_(self._sum(vector)))
 

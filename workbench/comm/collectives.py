@@ -18,6 +18,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from workbench.comm import shared_memory
 from workbench.comm.averaging import flatten, unflatten_into
 from workbench.errors import TrainingError
 
@@ -108,11 +109,13 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
             ) from error
         check_reachable(store, rank, world_size, advertised_address(), min(timeout_s, PROBE_TIMEOUT_S),
                         bound_here="GLOO_SOCKET_IFNAME" in bound)
+        token = shared_memory.agree_on_shared_memory(store, rank, world_size, advertised_address())
         backend = backend_for(device, _gpus_shared(store, rank, world_size, device))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        global _store
+        global _store, _reducer
         _store = store
+        _reducer = shared_memory.SharedMemoryReducer(token, rank, world_size) if token else None
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter
         # moved on here and not on the other ranks, and every later run on this worker then waited for
@@ -268,8 +271,11 @@ def meet(point: int, give_up: Callable[[], bool]) -> bool:
 
 
 def destroy_process_group() -> None:
-    global _store
+    global _store, _reducer
     _store = None
+    if _reducer is not None:
+        _reducer.close()
+        _reducer = None
     with _breaking:
         _group_sockets.clear()
     if dist.is_initialized():
@@ -288,6 +294,8 @@ def _release_claim() -> None:
 _group_ended = threading.Condition()  # notified when this process leaves its process group
 _claimed = False  # a task of this process is forming or holds the process group (`init_process_group`)
 _store: Any = None  # the process group's store while this process belongs to one (`meet`)
+# Sums through /dev/shm while every rank of the group is on this machine (`start_all_reduce` with a channel).
+_reducer: shared_memory.SharedMemoryReducer | None = None
 
 
 # The sockets the process group opened (gloo's connections to its peers and the store's): descriptor ->
@@ -441,8 +449,14 @@ def all_reduce_mean(vector: torch.Tensor) -> None:
     vector.div_(dist.get_world_size())
 
 
-def start_all_reduce(vector: torch.Tensor) -> Any:
-    """Begin a sum all-reduce of `vector` in the background; returns the work handle for `wait`."""
+def start_all_reduce(vector: torch.Tensor, channel: int | None = None) -> Any:
+    """Begin a sum all-reduce of `vector` in the background; returns the work handle for `wait`.
+
+    `channel` (a number the caller keeps for this buffer, the same on every rank) promises that it has at
+    most one sum in flight and is waited for with `wait` before its next use: then, when every rank is on
+    this machine, the sum goes through shared memory (`comm/shared_memory.py`) instead of gloo's sockets."""
+    if channel is not None and _reducer is not None and vector.device.type == "cpu":
+        return _reducer.start(vector, channel)
     return dist.all_reduce(vector, async_op=True)
 
 

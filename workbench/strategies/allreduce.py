@@ -7,7 +7,9 @@ summed result needs no copy back and no division. Gradients are set to None betw
 buffers and letting autograd add into them cost three more passes a step. Each bucket's all-reduce starts
 from a post-accumulate-grad hook as soon as its last gradient is ready, so communication of late layers
 overlaps the backward pass of early ones; `after_backward` waits for what is still in flight, and that
-wait is the communication time the step actually pays.
+wait is the communication time the step actually pays. Each bucket is a channel of its own
+(`Transport.start_all_reduce`): with every worker on one machine its sum goes through shared memory
+(`comm/shared_memory.py`), not gloo's loopback sockets.
 
 `wire_dtype` fp16/bf16 (live) puts each bucket on the wire in half precision, as PyTorch DDP's
 `fp16_compress_hook`/`bf16_compress_hook` do: divided by the world size first (so the sum cannot
@@ -63,8 +65,9 @@ class AllReduceSettings(StrategySettings):
 
 
 class _Bucket:
-    def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
+    def __init__(self, parameters: list[torch.nn.Parameter], channel: int) -> None:
         self.parameters = parameters
+        self.channel = channel  # its all-reduce's identity, the same on every rank (`Transport.start_all_reduce`)
         self.buffer = torch.zeros(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
                                   device=parameters[0].device)
         self.views: list[torch.Tensor] = []
@@ -129,7 +132,7 @@ class AllReduce(Strategy):
         parameters = [p for p in context.model.parameters() if p.requires_grad]
         cap = int(self.settings.bucket_mb * 1024 * 1024)
         groups = assign_buckets([p.numel() * p.element_size() for p in parameters], cap, FIRST_BUCKET_BYTES)
-        self.buckets = [_Bucket([parameters[i] for i in group]) for group in groups]
+        self.buckets = [_Bucket([parameters[i] for i in group], channel) for channel, group in enumerate(groups)]
         for bucket in self.buckets:
             for index, parameter in enumerate(bucket.parameters):
                 self.hooks.append(parameter.register_post_accumulate_grad_hook(self._hook_for(bucket, index)))
@@ -161,7 +164,7 @@ class AllReduce(Strategy):
             bucket.in_flight = bucket.buffer
         else:  # already scaled: what the sum of world_size of them needs to fit, then the cast
             bucket.in_flight = bucket.wire_buffer(dtype).copy_(clamp_for_wire(bucket.buffer, dtype, self.world_size))
-        bucket.work = self.comm.start_all_reduce(bucket.in_flight)
+        bucket.work = self.comm.start_all_reduce(bucket.in_flight, channel=bucket.channel)
         if self.launched is None:  # the step's exchange starts with its first bucket
             self.launched = time.perf_counter()
 

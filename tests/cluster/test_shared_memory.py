@@ -1,0 +1,112 @@
+"""The same-host all-reduce through /dev/shm (`comm/shared_memory.py`) in real processes, each in a real
+gloo group formed by `collectives.init_process_group`: its sums against gloo's own, on every rank, over
+several uses of several channels, and nothing left in /dev/shm."""
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import queue
+
+import pytest
+import torch
+
+from workbench.comm import collectives, shared_memory
+
+TIMEOUT_S = 120
+
+
+def _rank(rank, world_size, port, switch, results):
+    if switch is not None:
+        os.environ[shared_memory.SWITCH_VARIABLE] = switch
+    torch.set_num_threads(1)
+    try:
+        collectives.init_process_group("127.0.0.1", port, rank, world_size, torch.device("cpu"), 60,
+                                       own_host="127.0.0.1")
+        reducer = collectives._reducer
+        token = reducer.token if reducer is not None else None
+        generator = torch.Generator().manual_seed(1000 + rank)
+        sizes = {0: 100_003, 1: 17}  # two channels, one of them odd-sized
+        mismatches, files_mid_run, kinds = [], [], set()
+        for use in range(5):
+            for channel, size in sizes.items():
+                vector = torch.randn(size, generator=generator) * (use + 1)
+                reference = vector.clone()
+                work = collectives.start_all_reduce(vector, channel=channel)
+                kinds.add(type(work).__name__)
+                collectives.wait(work)
+                torch.distributed.all_reduce(reference)  # gloo's own sum of the same vectors
+                if world_size == 2 and not torch.equal(vector, reference):
+                    mismatches.append((use, channel, (vector - reference).abs().max().item()))
+                if world_size > 2 and not torch.allclose(vector, reference, rtol=1e-6, atol=1e-6):
+                    mismatches.append((use, channel, (vector - reference).abs().max().item()))
+                gathered = [torch.empty_like(vector) for _ in range(world_size)]
+                torch.distributed.all_gather(gathered, vector)
+                if not all(torch.equal(gathered[0], other) for other in gathered):
+                    mismatches.append((use, channel, "ranks differ"))
+            torch.distributed.barrier()
+            if token is not None:
+                files_mid_run.append(len(glob.glob(f"{shared_memory.SHM_DIRECTORY}/*{token}*")))
+            torch.distributed.barrier()  # nobody starts the next use while another rank counts
+        collectives.destroy_process_group()
+        results.put((rank, {"token": token, "mismatches": mismatches, "kinds": sorted(kinds),
+                            "files_mid_run": files_mid_run}))
+    except BaseException as error:
+        results.put((rank, {"error": repr(error)}))
+
+
+def _run(world_size, switch=None):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = collectives.find_free_port("127.0.0.1")
+    processes = [context.Process(target=_rank, args=(rank, world_size, port, switch, results), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    try:
+        found = dict(results.get(timeout=TIMEOUT_S) for _ in processes)
+        for process in processes:
+            process.join(timeout=30)
+            assert process.exitcode == 0
+    except queue.Empty:
+        pytest.fail(f"the ranks did not report within {TIMEOUT_S} s")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    for rank, outcome in found.items():
+        assert "error" not in outcome, f"rank {rank}: {outcome['error']}"
+    return [found[rank] for rank in range(world_size)]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_two_ranks_sum_through_shared_memory_exactly_as_gloo_and_leave_nothing_in_dev_shm():
+    outcomes = _run(2)
+    tokens = {outcome["token"] for outcome in outcomes}
+    assert len(tokens) == 1 and None not in tokens  # both ranks agreed on one group token
+    for outcome in outcomes:
+        assert outcome["kinds"] == ["LocalSum"]
+        assert outcome["mismatches"] == []
+        # A slot's file loses its name once every rank has mapped it (the next use's signal): after uses
+        # 1 and 2 one parity per channel and rank is named (2 channels x 2 ranks), from use 3 on none, so
+        # a rank killed then leaves nothing behind.
+        assert outcome["files_mid_run"] == [4, 4, 0, 0, 0]
+    assert glob.glob(f"{shared_memory.SHM_DIRECTORY}/*{tokens.pop()}*") == []
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_three_ranks_agree_with_each_other_and_with_gloo():
+    outcomes = _run(3)
+    for outcome in outcomes:
+        assert outcome["token"] is not None and outcome["kinds"] == ["LocalSum"]
+        assert outcome["mismatches"] == []
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_switched_off_the_sums_go_through_gloo():
+    outcomes = _run(2, switch="0")
+    for outcome in outcomes:
+        assert outcome["token"] is None
+        assert outcome["kinds"] != ["LocalSum"]
+        assert outcome["mismatches"] == []
