@@ -195,7 +195,7 @@ class Prediction:
 
 
 def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = None, link_rate: float | None = None,
-              workers: int | None = None, cores: float | None = None, bucket_mb: float = 4.0,
+              workers: int | None = None, cores: float | None = None, bucket_mb: float = 1.0,
               **known: Any) -> Calibration:
     """A Calibration from the step records of one `allreduce` or `average` run (dicts with `worker`,
     `compute_s`, `comm_s`, `samples`, `bytes_sent`, `strategy`), its float32 model size in bytes (None:
@@ -376,7 +376,7 @@ def _invert_overlap(exposed_s: float, backward_s: float, payload_bytes: float, b
 # --- prediction --------------------------------------------------------------------------------------------
 
 DEFAULTS: dict[str, dict[str, Any]] = {  # each strategy's settings as the workbench defaults them
-    "allreduce": {"bucket_mb": 4.0, "wire_dtype": "float32"},
+    "allreduce": {"bucket_mb": 1.0, "wire_dtype": "float32"},
     "average": {"period": 4, "overlap": False, "wire_dtype": "float32"},
     "async": {"push_every": 1, "fetch_every": None, "shards": 1, "overlap": True, "compression": "none",
               "topk_ratio": 0.01, "reply_compression": None},

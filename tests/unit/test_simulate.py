@@ -297,7 +297,8 @@ def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, st
     backward once the first bucket is ready (`simulate.calibrate`'s two cases)."""
     wire = 2 * (workers - 1) / workers * cal.model_bytes
     copy = wire / cal.host_rate
-    first = min(1.0, 4 * simulate.MIB / cal.model_bytes)
+    bucket = simulate.DEFAULTS["allreduce"]["bucket_mb"] * simulate.MIB  # the run's: the workbench's default
+    first = min(1.0, bucket / cal.model_bytes)
     if cores is not None and workers >= cores:
         share = cores / workers
         overlapped = (1 - first) * simulate.BACKWARD_SHARE
@@ -305,7 +306,7 @@ def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, st
         exposed = (copy - overlapped * cal.compute_s) / share
     else:
         compute = cal.compute_s
-        exposed = bucket_exposure(copy, simulate.BACKWARD_SHARE * compute, cal.model_bytes, 4 * simulate.MIB)
+        exposed = bucket_exposure(copy, simulate.BACKWARD_SHARE * compute, cal.model_bytes, bucket)
     comm = exposed + cal.compute_s * cal.compute_spread * simulate.expected_max(workers)  # the wait for the slower
     rng = random.Random(0)
     records = []

@@ -54,6 +54,9 @@ from workbench.errors import ConfigError
 from workbench.strategies.balance import BatchBalance
 from workbench.strategies.base import Carried, Strategy, StrategySettings, TrainingContext, Traits, check_wire_dtype
 
+# The blocking sync's all-reduce channel (`Transport.start_all_reduce`): apart from `allreduce`'s buckets (0, 1, ...).
+SYNC_CHANNEL = 1 << 20
+
 
 @dataclasses.dataclass
 class AverageSettings(StrategySettings):
@@ -303,7 +306,7 @@ class Average(Strategy):
         """Blocking: average now, apply the outer step, every worker continues from the new global weights
         (`whole`: every worker's whole change, never sparse)."""
         local = flatten(self.parameters)
-        work, mean, sent = self._encode(local, whole, self._scale())
+        work, mean, sent = self._encode(local, whole, self._scale(), channel=SYNC_CHANNEL)
         launched = time.perf_counter()
         self.comm.wait(work)
         # The exchange alone, apart from the sync's own copies around it (flatten, encode, the
@@ -324,17 +327,18 @@ class Average(Strategy):
         self.steps_since_sync = 0
         return {"divergence": divergence, "bytes_sent": sent, "exchange_s": exchange_s}
 
-    def _encode(self, weights: torch.Tensor, whole: bool = False,
-                scale: float | None = None) -> tuple[Any, Callable[[], torch.Tensor], int]:
+    def _encode(self, weights: torch.Tensor, whole: bool = False, scale: float | None = None,
+                channel: int | None = None) -> tuple[Any, Callable[[], torch.Tensor], int]:
         """Start the exchange of this worker's `weights` (flat, kept unchanged until it lands), its change
         times `scale` when balanced: the work, how to read the workers' mean weights once it is done, and
-        the bytes each worker sends."""
+        the bytes each worker sends. `channel`: the blocking sync's (waited for at once), so that a dense
+        exchange goes through shared memory when every worker is on one machine."""
         base, world = self.global_weights, self.world_size
         if scale is not None:
             weights = base + (weights - base) * scale
         if self.feedback is None or whole:
             summed = encode_weights(weights, base, WIRE_DTYPES[self.settings.wire_dtype], world)
-            work = self.comm.start_all_reduce(summed)
+            work = self.comm.start_all_reduce(summed, channel=channel)
             return (work, lambda: decode_average(summed, base, world),
                     all_reduce_bytes_sent(summed.numel() * summed.element_size(), world))
         density, bits = self.feedback.density, self.feedback.bits
