@@ -195,13 +195,15 @@ class Prediction:
 
 
 def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = None, link_rate: float | None = None,
-              workers: int | None = None, cores: float | None = None, bucket_mb: float = 1.0,
+              workers: int | None = None, cores: float | None = None, bucket_mb: float | None = None,
               **known: Any) -> Calibration:
     """A Calibration from the step records of one `allreduce` or `average` run (dicts with `worker`,
     `compute_s`, `comm_s`, `samples`, `bytes_sent`, `strategy`), its float32 model size in bytes (None:
     read from the float32 exchanges' `bytes_sent`, what a ring all-reduce sends per worker), its
     link rate in bytes/s (None: unlimited), its worker count (default: the ranks in the records) and the
     cores those workers shared (None: a host each). `known` sets other fields (latency_s, ...)."""
+    if bucket_mb is None:  # the run's buckets: the workbench's default
+        bucket_mb = DEFAULTS["allreduce"]["bucket_mb"]
     # A DataFrame's records (`run.metrics.to_dict("records")`) carry NaN for the fields a step lacks (an
     # `average` step between syncs has no bytes_sent): NaN is truthy, so it would count every step a sync.
     records = [{k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))} for r in records]

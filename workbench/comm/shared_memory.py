@@ -77,7 +77,7 @@ class _Slots:
     def __init__(self, stem: str, rank: int, world_size: int, numel: int, dtype: torch.dtype) -> None:
         self.paths = [f"{stem}-{other}" for other in range(world_size)]
         self.rank, self.numel, self.dtype = rank, numel, dtype
-        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * dtype.itemsize
         self.views: list[torch.Tensor | None] = [None] * world_size
         self.views[rank] = self._map(self.paths[rank], create=True)
         self.linked = True  # this rank's file still has a name in /dev/shm
