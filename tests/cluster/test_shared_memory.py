@@ -1,8 +1,10 @@
 """The same-host all-reduce through /dev/shm (`comm/shared_memory.py`) in real processes, each in a real
 gloo group formed by `collectives.init_process_group`: its sums against gloo's own, on every rank, over
-several uses of several channels, and nothing left in /dev/shm."""
+several uses of several channels, and nothing left in /dev/shm; and a /dev/shm too small for a slot.
+"""
 from __future__ import annotations
 
+import errno
 import glob
 import multiprocessing
 import os
@@ -16,9 +18,24 @@ from workbench.comm import collectives, shared_memory
 TIMEOUT_S = 120
 
 
-def _rank(rank, world_size, port, switch, results):
+def _no_room_at(call):
+    """`os.posix_fallocate` failing as a full /dev/shm does, at its `call`-th use in this process (1 first)."""
+    real, calls = os.posix_fallocate, [0]
+
+    def allocate(descriptor, offset, length):
+        calls[0] += 1
+        if calls[0] == call:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(descriptor, offset, length)
+
+    return allocate
+
+
+def _rank(rank, world_size, port, switch, results, no_room_at=None):
     if switch is not None:
         os.environ[shared_memory.SWITCH_VARIABLE] = switch
+    if no_room_at is not None and rank == 1:
+        os.posix_fallocate = _no_room_at(no_room_at)
     torch.set_num_threads(1)
     try:
         collectives.init_process_group("127.0.0.1", port, rank, world_size, torch.device("cpu"), 60,
@@ -55,11 +72,11 @@ def _rank(rank, world_size, port, switch, results):
         results.put((rank, {"error": repr(error)}))
 
 
-def _run(world_size, switch=None):
+def _run(world_size, switch=None, no_room_at=None):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = collectives.find_free_port("127.0.0.1")
-    processes = [context.Process(target=_rank, args=(rank, world_size, port, switch, results), daemon=True)
+    processes = [context.Process(target=_rank, args=(rank, world_size, port, switch, results, no_room_at), daemon=True)
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -110,3 +127,21 @@ def test_switched_off_the_sums_go_through_gloo():
         assert outcome["token"] is None
         assert outcome["kinds"] != ["LocalSum"]
         assert outcome["mismatches"] == []
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("no_room_at, files", [(1, [2, 2, 0, 0, 0]), (3, [4, 2, 0, 0, 0])],
+                         ids=["first-use", "second-parity"])
+def test_a_dev_shm_without_room_for_a_slot_sends_that_channel_through_gloo_on_every_rank(no_room_at, files):
+    # Rank 1 cannot make its slot of channel 0 (the large one): at its first use (the 1st allocation), or
+    # at its second (the 3rd: channel 0's other parity, when both ranks have the first one).
+    outcomes = _run(2, no_room_at=no_room_at)
+    token = outcomes[0]["token"]
+    assert token is not None and outcomes[1]["token"] == token
+    for outcome in outcomes:
+        assert outcome["mismatches"] == []  # that use and every later one summed as gloo sums them
+        # Channel 0 through gloo from then on, channel 1 still through shared memory.
+        assert "LocalSum" in outcome["kinds"] and len(outcome["kinds"]) == 2, outcome["kinds"]
+        # Channel 0's files are gone at once on both ranks (its slots freed); channel 1's as before.
+        assert outcome["files_mid_run"] == files
+    assert glob.glob(f"{shared_memory.SHM_DIRECTORY}/*{token}*") == []

@@ -18,10 +18,17 @@ that dies leaves nothing in `/dev/shm` once the run has made two steps; `close` 
 Used only where it is sure to be right: CPU tensors, every rank advertising the same network address
 (so the lab's emulated hosts, which share the VM's `/dev/shm`, still talk over their links) and seeing
 every other rank's probe file. `WORKBENCH_SHARED_MEMORY=0` on the workers turns it off.
+
+A `/dev/shm` too small for a channel's slots (Docker gives a container 64 MB unless told `--shm-size`,
+and two parities of every rank's bucket must fit) does not fail the run: the signal carries each rank's
+word on whether its slot could be made, and when one could not, every rank sums that use through gloo
+and the channel goes through gloo from then on, its slots freed; the others keep shared memory.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import mmap
 import os
 import uuid
@@ -33,6 +40,8 @@ import torch.distributed as dist
 SHM_DIRECTORY = "/dev/shm"
 SWITCH_VARIABLE = "WORKBENCH_SHARED_MEMORY"  # "0" on a worker: every all-reduce goes through gloo
 PREFIX = "workbench-"
+
+logger = logging.getLogger(__name__)
 
 
 def enabled_here() -> bool:
@@ -89,6 +98,10 @@ class _Slots:
             if create:  # real pages now: a full /dev/shm fails here with ENOSPC, not later with SIGBUS
                 os.posix_fallocate(descriptor, 0, self.nbytes)
             mapped = mmap.mmap(descriptor, self.nbytes)
+        except OSError:
+            if create:  # no empty file left behind in /dev/shm
+                os.unlink(path)
+            raise
         finally:
             os.close(descriptor)
         return torch.frombuffer(mapped, dtype=self.dtype, count=self.numel)
@@ -116,17 +129,39 @@ class SharedMemoryReducer:
         self.token, self.rank, self.world_size = token, rank, world_size
         self.slots: dict[tuple[Any, ...], _Slots] = {}
         self.uses: dict[tuple[Any, ...], int] = {}
+        self.through_gloo: set[tuple[Any, ...]] = set()  # channels some rank could not make slots for
 
-    def start(self, vector: torch.Tensor, channel: int) -> "LocalSum":
+    def start(self, vector: torch.Tensor, channel: int) -> Any:
         key = (channel, vector.numel(), vector.dtype)
+        if key in self.through_gloo:
+            return dist.all_reduce(vector, async_op=True)
         use = self.uses.get(key, 0)
         self.uses[key] = use + 1
-        slots = self._slots(key, use % 2)
-        slots.views[self.rank].copy_(vector.reshape(-1))
-        # Its completion says every rank has written this use (and so has read its use n-1).
-        signal = dist.all_reduce(torch.zeros(1), async_op=True)
+        try:
+            slots = self._slots(key, use % 2)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            logger.warning("no room in %s for a %d-byte slot (%s): this channel's sums go through gloo",
+                           SHM_DIRECTORY, vector.numel() * vector.element_size(), error)
+            slots = None
+        else:
+            slots.views[self.rank].copy_(vector.reshape(-1))
+        # Its completion says every rank has written this use (and so has read its use n-1); its sum counts
+        # the ranks that could not make their slot.
+        missing = torch.tensor([0.0 if slots is not None else 1.0])
+        signal = dist.all_reduce(missing, async_op=True)
         previous = self.slots.get((*key, (use - 1) % 2)) if use else None
-        return LocalSum(vector, slots, signal, previous)
+        return LocalSum(self, key, vector, slots, (signal, missing), previous)
+
+    def give_up(self, key: tuple[Any, ...]) -> None:
+        """Every rank, at the same use: the channel goes through gloo from now on, its slots freed (nobody
+        reads them any more: every rank has signalled this use, so it has read the one before)."""
+        self.through_gloo.add(key)
+        for parity in (0, 1):
+            slots = self.slots.pop((*key, parity), None)
+            if slots is not None:
+                slots.unlink()
 
     def _slots(self, key: tuple[Any, ...], parity: int) -> _Slots:
         found = self.slots.get((*key, parity))
@@ -145,11 +180,17 @@ class SharedMemoryReducer:
 class LocalSum:
     """One sum in flight: `wait` ends it with the sum of every rank's vector in `vector`."""
 
-    def __init__(self, vector: torch.Tensor, slots: _Slots, signal: Any, previous: _Slots | None) -> None:
-        self.vector, self.slots, self.signal, self.previous = vector, slots, signal, previous
+    def __init__(self, reducer: SharedMemoryReducer, key: tuple[Any, ...], vector: torch.Tensor,
+                 slots: _Slots | None, signal: tuple[Any, torch.Tensor], previous: _Slots | None) -> None:
+        self.reducer, self.key, self.vector = reducer, key, vector
+        self.slots, (self.signal, self.missing), self.previous = slots, signal, previous
 
     def wait(self) -> None:
         self.signal.wait()
+        if self.missing.item() > 0:  # a rank had no slot: every rank sums this use through gloo
+            self.reducer.give_up(self.key)
+            dist.all_reduce(self.vector)
+            return
         if self.previous is not None:  # every rank has read the previous use: its file may lose its name
             self.previous.unlink()
         views = self.slots.all()
