@@ -145,3 +145,53 @@ def test_a_dev_shm_without_room_for_a_slot_sends_that_channel_through_gloo_on_ev
         # Channel 0's files are gone at once on both ranks (its slots freed); channel 1's as before.
         assert outcome["files_mid_run"] == files
     assert glob.glob(f"{shared_memory.SHM_DIRECTORY}/*{token}*") == []
+
+
+def _leaving_rank(rank, port, left, results):
+    torch.set_num_threads(1)
+    try:
+        from workbench.worker.loop import peer_lost
+
+        collectives.init_process_group("127.0.0.1", port, rank, 2, torch.device("cpu"), 60, own_host="127.0.0.1")
+        vector = torch.ones(1410)
+        work = collectives.start_all_reduce(vector, channel=1 << 20)
+        if rank == 1:  # signals, reads rank 0's slot, then leaves at once, as a rank failing right after does
+            collectives.wait(work)
+            collectives.destroy_process_group()
+            left.set()
+            results.put((rank, {"sum": vector[0].item()}))
+            return
+        assert left.wait(timeout=60)  # rank 1 has removed its slot before this rank reads it
+        try:
+            collectives.wait(work)
+            outcome = {"error": None}
+        except BaseException as error:  # noqa: BLE001 - what the worker loop would see
+            outcome = {"error": f"{type(error).__name__}: {error}", "peer_lost": peer_lost(error)}
+        collectives.destroy_process_group()
+        results.put((rank, outcome))
+    except BaseException as error:
+        results.put((rank, {"failed": repr(error)}))
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_a_slot_removed_by_a_rank_leaving_reads_as_that_peer_lost():
+    context = multiprocessing.get_context("spawn")
+    results, left = context.Queue(), context.Event()
+    port = collectives.find_free_port("127.0.0.1")
+    processes = [context.Process(target=_leaving_rank, args=(rank, port, left, results), daemon=True) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        found = dict(results.get(timeout=TIMEOUT_S) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    assert "failed" not in found[0] and "failed" not in found[1], found
+    assert found[1]["sum"] == 2.0  # the rank that left had its sum
+    # The one left behind: a peer lost (the worker loop leaves and waits for the client's verdict), naming
+    # the rank, not a FileNotFoundError reported as this rank's own failure.
+    assert found[0]["error"].startswith("ConnectionError: rank 1 left the group"), found[0]
+    assert found[0]["peer_lost"] is True

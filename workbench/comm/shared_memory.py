@@ -13,7 +13,9 @@ A slot is reused two uses later (two parities per channel), which is safe becaus
 one sum in flight and a rank only starts the next use of a channel after waiting for the previous one: a
 rank writing use n+2 has seen every rank start use n+1, which each did only after reading use n. A slot's
 file is unlinked as soon as every rank has mapped it (after the following use's signal), so a process
-that dies leaves nothing in `/dev/shm` once the run has made two steps; `close` removes the rest.
+that dies leaves nothing in `/dev/shm` once the run has made two steps; `close` removes the rest. A rank
+that leaves (after a failure) may remove a slot a slower peer has not read yet: the peer then sees a peer
+lost, as it would over gloo.
 
 Used only where it is sure to be right: CPU tensors, every rank advertising the same network address
 (so the lab's emulated hosts, which share the VM's `/dev/shm`, still talk over their links) and seeing
@@ -107,10 +109,20 @@ class _Slots:
         return torch.frombuffer(mapped, dtype=self.dtype, count=self.numel)
 
     def all(self) -> list[torch.Tensor]:
-        """Every rank's slot, mapping the others' on first use (they exist once every rank has signalled)."""
+        """Every rank's slot, mapping the others' on first use (they exist once every rank has signalled).
+
+        A slot gone by then was removed by its rank leaving the group (`close`, on its way out after a
+        failure): it signalled this use, read the others' slots and left before this rank came to read its
+        one. That is a peer lost, said as one (a ConnectionError), so this rank leaves too instead of
+        reporting a failure of its own ahead of the peer's (seen once in the suite: `average`, a data error
+        on one rank right after a sync)."""
         for other, view in enumerate(self.views):
             if view is None:
-                self.views[other] = self._map(self.paths[other], create=False)
+                try:
+                    self.views[other] = self._map(self.paths[other], create=False)
+                except FileNotFoundError:
+                    raise ConnectionError(f"rank {other} left the group: its shared-memory slot "
+                                          f"{self.paths[other]} was removed before this rank read it") from None
         return self.views  # type: ignore[return-value]
 
     def unlink(self) -> None:
