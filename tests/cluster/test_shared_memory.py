@@ -31,7 +31,7 @@ def _no_room_at(call):
     return allocate
 
 
-def _rank(rank, world_size, port, switch, results, no_room_at=None):
+def _rank(rank, world_size, port, switch, no_room_at, results):
     if switch is not None:
         os.environ[shared_memory.SWITCH_VARIABLE] = switch
     if no_room_at is not None and rank == 1:
@@ -72,11 +72,12 @@ def _rank(rank, world_size, port, switch, results, no_room_at=None):
         results.put((rank, {"error": repr(error)}))
 
 
-def _run(world_size, switch=None, no_room_at=None):
+def _spawn(target, world_size, *arguments):
+    """{rank: what `target(rank, *arguments, results)` put on the queue}, from `world_size` spawned processes,
+    each joined (or killed) before returning."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = collectives.find_free_port("127.0.0.1")
-    processes = [context.Process(target=_rank, args=(rank, world_size, port, switch, results, no_room_at), daemon=True)
+    processes = [context.Process(target=target, args=(rank, *arguments, results), daemon=True)
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -92,6 +93,11 @@ def _run(world_size, switch=None, no_room_at=None):
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
+    return found
+
+
+def _run(world_size, switch=None, no_room_at=None):
+    found = _spawn(_rank, world_size, world_size, collectives.find_free_port("127.0.0.1"), switch, no_room_at)
     for rank, outcome in found.items():
         assert "error" not in outcome, f"rank {rank}: {outcome['error']}"
     return [found[rank] for rank in range(world_size)]
@@ -175,20 +181,8 @@ def _leaving_rank(rank, port, left, results):
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_slot_removed_by_a_rank_leaving_reads_as_that_peer_lost():
-    context = multiprocessing.get_context("spawn")
-    results, left = context.Queue(), context.Event()
-    port = collectives.find_free_port("127.0.0.1")
-    processes = [context.Process(target=_leaving_rank, args=(rank, port, left, results), daemon=True) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        found = dict(results.get(timeout=TIMEOUT_S) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+    left = multiprocessing.get_context("spawn").Event()
+    found = _spawn(_leaving_rank, 2, collectives.find_free_port("127.0.0.1"), left)
     assert "failed" not in found[0] and "failed" not in found[1], found
     assert found[1]["sum"] == 2.0  # the rank that left had its sum
     # The one left behind: a peer lost (the worker loop leaves and waits for the client's verdict), naming

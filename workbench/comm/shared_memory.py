@@ -164,7 +164,7 @@ class SharedMemoryReducer:
         missing = torch.tensor([0.0 if slots is not None else 1.0])
         signal = dist.all_reduce(missing, async_op=True)
         previous = self.slots.get((*key, (use - 1) % 2)) if use else None
-        return LocalSum(self, key, vector, slots, (signal, missing), previous)
+        return LocalSum(self, key, vector, slots, signal, missing, previous)
 
     def give_up(self, key: tuple[Any, ...]) -> None:
         """Every rank, at the same use: the channel goes through gloo from now on, its slots freed (nobody
@@ -193,9 +193,9 @@ class LocalSum:
     """One sum in flight: `wait` ends it with the sum of every rank's vector in `vector`."""
 
     def __init__(self, reducer: SharedMemoryReducer, key: tuple[Any, ...], vector: torch.Tensor,
-                 slots: _Slots | None, signal: tuple[Any, torch.Tensor], previous: _Slots | None) -> None:
+                 slots: _Slots | None, signal: Any, missing: torch.Tensor, previous: _Slots | None) -> None:
         self.reducer, self.key, self.vector = reducer, key, vector
-        self.slots, (self.signal, self.missing), self.previous = slots, signal, previous
+        self.slots, self.signal, self.missing, self.previous = slots, signal, missing, previous
 
     def wait(self) -> None:
         self.signal.wait()
