@@ -25,13 +25,19 @@ Where a run never reaches the target its time is None, and a ratio over it is No
 `--balance` (issue 45, mixed hardware): under the slow-host conditions only (host 2 at half a core, and
 at a quarter, granted over 10 ms periods), the cluster's capacity (`alone`: each worker host runs the same
 loop with no exchange, both side by side; capacity is the sum of their samples/s) before, between and after
-two runs of `allreduce` balanced, then DDP, `allreduce`, `async` p4 and `auto`; each run is judged against
-the capacity measured nearest it (the mean of the measurements just before and after it). Each run's steady
-speed counts its steps after the first quarter of its time (balancing settles in its first measurements),
-leaving out the intervals that held a held-out evaluation (the capacity's loops evaluate nothing).
+three runs of `allreduce` balanced, each after two references that cut the global batch between the hosts
+in proportion to their speeds in the capacity just measured, fixed for the run: `lockstep` (the same loop,
+nothing exchanged but one number a step, so each step waits for the slower host's: the most any synchronous
+strategy can reach on these hosts) and `ddp balanced` (PyTorch DDP's own reducer on that cut: the gradient
+exchange added); then DDP, `allreduce`, `async` p4 and `auto`. Each run is judged against the capacity
+measured nearest it (the mean of the measurements just before and after it). Each run's steady speed counts
+its steps after the first quarter of its time (balancing settles in its first measurements), leaving out the
+intervals that held a held-out evaluation (the capacity's loops evaluate nothing).
 Computed: `balanced_share_of_capacity` (host 2 at half a core; target >= 0.9) and
 `balanced_share_of_capacity_quarter` (the medians of the three runs; each run's share in
-`share_of_capacity_runs`), with every configuration's share beside.
+`share_of_capacity_runs`), with every configuration's share beside; `lockstep_share_of_capacity` and
+`ddp_balanced_share_of_capacity` (host 2 at half a core): what the hosts allow a synchronous step at all,
+and with torch's own gradient exchange.
 
 `--thin` (issue 45, links ten times thinner): DDP on the unlimited link (at equal samples the link changes
 no loss, only the time), then `average` p16 (plain averaging: the grid's best at 256 steps) whole in float32,
@@ -122,6 +128,10 @@ BALANCED = "allreduce balanced"  # what --balance judges against the capacity
 # the same code read 0.92 and 0.85 of the capacity around them (2026-12-02), and their mean was the headline.
 BALANCE_REPEATS = 3
 BALANCE = ("allreduce", BALANCED, "async p4", "auto")  # beside the capacity and DDP, --balance
+# The references measured before each balanced run, on the batch cut by the hosts' speeds alone: what a
+# synchronous step allows on these hosts with nothing exchanged, and with torch's own gradient exchange.
+LOCKSTEP, DDP_BALANCED = "lockstep", "ddp balanced"
+CUT_STEPS = 128  # theirs: a speed, as the capacity's; 96 steps counted after the first quarter
 THIN = ("average p16", "average p16 overlap bf16", "average p16 sparse", "average p4 sparse",
         "average p1 overlap sparse")
 SEEDED = ("ddp", "average p64 outer", "auto")  # and the best at 100 Mbit/s: --seeds seeds each there
@@ -155,6 +165,11 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     rank, world_size, steps, seed = spec["rank"], spec["world_size"], spec["steps"], spec["seed"]
     alone = spec.get("alone", False)  # the capacity: the same loop, no process group, nothing exchanged
+    # A reference on a cut batch (`batch`: this rank's part of the global batch): `lockstep` exchanges one
+    # number a step (every step waits for the last rank's, as any synchronous strategy's must); otherwise
+    # DDP. Neither evaluates: a speed, as the capacity is.
+    cut, local = "batch" in spec, spec.get("batch", BATCH)
+    lockstep = cut and spec.get("lockstep", False)
     fields = job_fields(steps, seed)
     if not alone:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
@@ -162,16 +177,17 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
     try:
         splits = text_data()
         data = splits.train.load()
-        held_out = splits.eval.load() if rank == 0 and not alone else None
+        held_out = splits.eval.load() if rank == 0 and not (alone or cut) else None
         torch.manual_seed(seed)
-        model = workbench.gpt(MODEL)() if alone else torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
+        plain = alone or lockstep
+        model = workbench.gpt(MODEL)() if plain else torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         curve, step, epoch, ends, pauses = [], 0, 0, [], []
         if not alone:
             dist.barrier()
         started = time.time()
         while step < steps:
-            for indices in batches(shard_indices(len(data), world_size, rank, epoch, seed), BATCH):
+            for indices in batches(shard_indices(len(data), world_size, rank, epoch, seed), local):
                 if step >= steps:
                     break
                 for group in optimizer.param_groups:
@@ -181,6 +197,8 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
                 loss = cross_entropy(model(inputs), targets)
                 loss.backward()
                 optimizer.step()
+                if lockstep:
+                    dist.all_reduce(torch.zeros(1))
                 float(loss.detach())
                 step += 1
                 ends.append(time.time())
@@ -194,7 +212,10 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
             Path(spec["out"]).write_text(json.dumps({"samples_per_s": steady_rate(ends, [BATCH] * len(ends))}))
             return
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and cut:
+            steady = steady_rate(ends, [spec["global_batch"]] * len(ends))
+            Path(spec["out"]).write_text(json.dumps({"steady_samples_per_s": steady}))
+        elif rank == 0:
             steady = steady_rate(ends, [BATCH * world_size] * len(ends), pauses)
             Path(spec["out"]).write_text(json.dumps({"curve": curve, "wall_s": time.time() - started,
                                                      "steady_samples_per_s": steady}))
@@ -222,8 +243,10 @@ def steady_rate(ends: list[float], samples: list[int], pauses: list[float] = ())
 
 
 def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float,
-            alone: bool = False) -> dict[str, Any]:
-    """PyTorch DDP on the worker hosts; `alone`: the same loop on each, nothing exchanged (the capacity)."""
+            alone: bool = False, cut: list[int] | None = None, lockstep: bool = False) -> dict[str, Any]:
+    """PyTorch DDP on the worker hosts; `alone`: the same loop on each, nothing exchanged (the capacity);
+    `cut`: each host's part of the global batch (a reference on the balanced cut), `lockstep`: with
+    nothing exchanged but one number a step instead of DDP's gradients."""
     counter[0] += 1
     out = scratch / f"ddp-{counter[0]}.json"
     hosts = list(range(1, lab.size))
@@ -233,6 +256,8 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
     for rank, host in enumerate(hosts):
         spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "alone": alone,
                 "out": str(out.with_suffix(f".{rank}.json")) if alone else str(out)}
+        if cut:
+            spec.update(batch=cut[rank], global_batch=sum(cut), lockstep=lockstep)
         argv = [sys.executable, str(HERE), "--ddp-rank", json.dumps(spec)]
         processes.append((host, lab.spawn(host, argv, f"ddp-{counter[0]}-{rank}", env=env)))
     deadline = time.monotonic() + timeout_s
@@ -253,7 +278,9 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
     if failed or not out.exists():
         return {"error": failed or "DDP wrote no result"}
     result = json.loads(out.read_text())
-    result["samples_per_step"] = BATCH * len(hosts)
+    result["samples_per_step"] = sum(cut) if cut else BATCH * len(hosts)
+    if cut:
+        result["cut"] = cut
     return result
 
 
@@ -395,7 +422,7 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for config in dict.fromkeys(c["config"] for c in row if c["config"] != "alone"):
             runs = [(c["steady_samples_per_s"], nearest_capacity(row, index)) for index, c in enumerate(row)
-                    if c["config"] == config and c.get("curve") and c.get("steady_samples_per_s")]
+                    if c["config"] == config and (c.get("curve") or c.get("cut")) and c.get("steady_samples_per_s")]
             ratios = [rate / around for rate, around in runs if around]
             shares.setdefault(condition, {})[config] = median_or_none(ratios) if ratios else None
             each.setdefault(condition, {})[config] = ratios
@@ -403,7 +430,31 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     return {"capacity_samples_per_s": capacity, "share_of_capacity": shares, "share_of_capacity_runs": each,
             "balanced_share_of_capacity": shares.get("slow-host", {}).get(BALANCED),
-            "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get(BALANCED)}
+            "balanced_share_of_capacity_quarter": shares.get("quarter-host", {}).get(BALANCED),
+            "lockstep_share_of_capacity": shares.get("slow-host", {}).get(LOCKSTEP),
+            "ddp_balanced_share_of_capacity": shares.get("slow-host", {}).get(DDP_BALANCED)}
+
+
+def speed_cut(rates: list[float] | None, total: int) -> list[int]:
+    """`total` samples cut between the hosts in proportion to their `rates` (largest remainders; each at
+    least one), or evenly where no rates were measured."""
+    if not rates or None in rates or min(rates) <= 0:
+        rates = [1.0] * (len(rates) if rates else 2)  # two worker hosts, as the lab has
+    exact = [total * r / sum(rates) for r in rates]
+    cut = [max(1, math.floor(x)) for x in exact]
+    for i in sorted(range(len(rates)), key=lambda i: exact[i] - math.floor(exact[i]), reverse=True):
+        if sum(cut) >= total:
+            break
+        cut[i] += 1
+    while sum(cut) > total:  # a host raised to one sample: the largest part gives it back
+        cut[cut.index(max(cut))] -= 1
+    return cut
+
+
+def last_alone(cells: list[dict[str, Any]], condition: str) -> list[float] | None:
+    """The hosts' own speeds in the newest capacity measured under `condition`."""
+    return next((c.get("samples_per_s_by_host") for c in reversed(cells)
+                 if c["condition"] == condition and c["config"] == "alone"), None)
 
 
 def nearest_capacity(row: list[dict[str, Any]], index: int) -> float | None:
@@ -475,7 +526,10 @@ def table(result: dict[str, Any]) -> str:
 
     lines = []
     for condition in dict.fromkeys(c["condition"] for c in result["cells"]):
-        runs = [c for c in result["cells"] if c["condition"] == condition and c["config"] != "alone"]
+        # The capacity and the references on a cut batch are speeds, without a held-out curve: their table
+        # is the shares' (below).
+        runs = [c for c in result["cells"] if c["condition"] == condition and c["config"] != "alone"
+                and not c.get("cut")]
         names = list(dict.fromkeys(c["config"] for c in runs))
         finals = {n: median_or_none([final_loss(c) for c in runs if c["config"] == n and c.get("curve")])
                   for n in names}
@@ -493,9 +547,19 @@ def table(result: dict[str, Any]) -> str:
                             f"{cell(finals[name], '.3f')} | {cell(ratio, '.3f')} | {cell(wall, '.0f')} s | "
                             f"{cell(times.get(name), '.0f')}{' s' if times.get(name) is not None else ''} |"))
         lines.append("")
+    for condition, shares in (result.get("share_of_capacity") or {}).items():
+        capacity = result["capacity_samples_per_s"][condition]
+        lines += [f"| {condition}: capacity {capacity:.0f} samples/s | share of capacity (median) | each run |",
+                  "|---|---:|---|"]
+        each = result.get("share_of_capacity_runs", {}).get(condition, {})
+        for name, share in sorted(shares.items(), key=lambda item: -(item[1] or 0)):
+            lines.append(f"| {'PyTorch DDP' if name == 'ddp' else f'`{name}`'} | {cell(share, '.3f')} | "
+                         + ", ".join(f"{v:.3f}" for v in each.get(name, [])) + " |")
+        lines.append("")
     keys = ("sync_gap_p64_outer", "best_at_100mbit", "best_time_to_target_vs_ddp_100mbit",
             "auto_vs_best_fixed_by_condition", "auto_time_to_target_vs_best_fixed", "capacity_samples_per_s",
             "share_of_capacity", "balanced_share_of_capacity", "balanced_share_of_capacity_quarter",
+            "lockstep_share_of_capacity", "ddp_balanced_share_of_capacity",
             "best_at_10mbit", "best_retention_10mbit", "sync_gap_10mbit", "sparse_bytes_ratio")
     lines += [f"- `{key}`: {json.dumps(result.get(key), default=str)}" for key in keys]
     return "\n".join(lines)
@@ -528,7 +592,9 @@ def plan(arguments: argparse.Namespace) -> list[Cell]:
     # judges (on this VM the hosts' speed alone moved by 15% from one minute to the next), then the others.
     judged = [c for c in configs if balance and c[0] == BALANCED]
     alone = ("alone", "alone", {})
-    first = [cell for _ in range(BALANCE_REPEATS) for cell in (alone, *judged)] + [alone] if balance else []
+    references = [(LOCKSTEP, LOCKSTEP, {}), (DDP_BALANCED, DDP_BALANCED, {})] if judged else []
+    first = [cell for _ in range(BALANCE_REPEATS) for cell in (alone, *references, *judged)] + [alone] \
+        if balance else []
     configs = [c for c in configs if c not in judged]
 
     def with_ddp(condition: str) -> bool:  # thin: on the unlimited link only (hours at 10 Mbit/s, same loss)
@@ -620,6 +686,10 @@ def main() -> None:
             if strategy in ("ddp", "alone"):  # alone: a speed, not a curve; ALONE_STEPS are enough for it
                 cell = run_ddp(lab, scratch, min(steps, ALONE_STEPS) if strategy == "alone" else steps, seed, counter,
                                arguments.cell_timeout_s, alone=strategy == "alone")
+            elif strategy in (LOCKSTEP, DDP_BALANCED):  # speeds on the cut of the capacity just measured
+                cut = speed_cut(last_alone(document["cells"], condition), 2 * BATCH)
+                cell = run_ddp(lab, scratch, min(steps, CUT_STEPS), seed, counter, arguments.cell_timeout_s,
+                               cut=cut, lockstep=strategy == LOCKSTEP)
             else:
                 try:
                     cell = run_workbench(client, scratch, strategy, settings, steps, seed, arguments.cell_timeout_s)
@@ -631,7 +701,9 @@ def main() -> None:
             document["cells"].append(cell)
             end = cell.get("error") or (f"held-out loss {final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
                                         if cell.get("curve") else f"{cell.get('samples_per_s') or 0:.0f} samples/s"
-                                        if strategy == "alone" else "no evaluation")
+                                        if strategy == "alone" else
+                                        f"{cell.get('steady_samples_per_s') or 0:.0f} samples/s, cut {cell['cut']}"
+                                        if cell.get("cut") else "no evaluation")
             print(f"[{(time.time() - began) / 60:5.1f} min] {condition:>9} {name:<32} seed {seed}: {end}", flush=True)
             if condition == SEEDED_CONDITION and seed == 0 and all(c[0] != condition for c in queue):
                 queue[:0] = seeded(arguments, document["cells"])  # the row is measured: its seeds next

@@ -122,12 +122,10 @@ def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
 def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     arguments = argparse.Namespace(quick=False, balance=True, conditions="", only=None, seeds=3)
     plan = fidelity.plan(arguments)
-    assert [(c[0], c[1]) for c in plan[:11]] == [
-        ("slow-host", "alone"), ("slow-host", "allreduce balanced"), ("slow-host", "alone"),
-        ("slow-host", "allreduce balanced"), ("slow-host", "alone"), ("slow-host", "allreduce balanced"),
-        ("slow-host", "alone"), ("slow-host", "ddp"), ("slow-host", "allreduce"), ("slow-host", "async p4"),
-        ("slow-host", "auto")]
-    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 22
+    repeat = ["alone", "lockstep", "ddp balanced", "allreduce balanced"]
+    assert [c[1] for c in plan[:17]] == repeat * 3 + ["alone", "ddp", "allreduce", "async p4", "auto"]
+    assert {c[0] for c in plan[:17]} == {"slow-host"}
+    assert {c[0] for c in plan} == {"slow-host", "quarter-host"} and len(plan) == 34
     assert fidelity.seeded(arguments, []) == []
     cells = [dict(cell("ddp", "slow-host", [(40, 2.5), (80, 2.1)]), steady_samples_per_s=200.0),
              dict(cell("allreduce balanced", "slow-host", [(30, 2.3), (60, 2.1)]), steady_samples_per_s=285.0),
@@ -141,6 +139,34 @@ def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     assert result["balanced_share_of_capacity"] == 0.95 and result["balanced_share_of_capacity_quarter"] == 0.8
     assert fidelity.headline(cells, quick=False)["target_from"].endswith("slow-host")  # no unlimited row
     assert fidelity.balance_headline([c for c in cells if c["config"] != "alone"]) == {}
+
+
+def test_the_references_run_on_the_batch_cut_by_the_hosts_speeds_and_are_judged_as_speeds():
+    # 64 samples at 190 : 85 samples/s is 44.2 : 19.8; at 1000 : 1 the slow host still gets one.
+    assert fidelity.speed_cut([190.0, 85.0], 64) == [44, 20] and sum(fidelity.speed_cut([192.0, 37.0], 64)) == 64
+    assert fidelity.speed_cut([1000.0, 1.0], 64) == [63, 1] and fidelity.speed_cut([3.0, 1.0, 1.0], 10) == [6, 2, 2]
+    assert fidelity.speed_cut(None, 64) == [32, 32] and fidelity.speed_cut([100.0, None], 64) == [32, 32]
+    alone = [{"condition": "slow-host", "config": "alone", "samples_per_s": 280.0, "samples_per_s_by_host": [180.0, 100.0]},
+             {"condition": "quarter-host", "config": "alone", "samples_per_s": 220.0, "samples_per_s_by_host": [190.0, 30.0]}]
+    assert fidelity.last_alone(alone, "slow-host") == [180.0, 100.0] and fidelity.last_alone(alone, "unlimited") is None
+
+    def reference(name, rate):
+        return {"condition": "slow-host", "config": name, "seed": 0, "steady_samples_per_s": rate, "cut": [41, 23]}
+
+    cells = [alone[0], reference("lockstep", 266.0), reference("ddp balanced", 252.0),
+             dict(cell("allreduce balanced", "slow-host", [(30, 2.3)]), steady_samples_per_s=238.0),
+             dict(alone[0], samples_per_s=280.0)]
+    result = fidelity.balance_headline(cells)
+    assert result["lockstep_share_of_capacity"] == pytest.approx(0.95)
+    assert result["ddp_balanced_share_of_capacity"] == pytest.approx(0.9)
+    assert result["balanced_share_of_capacity"] == pytest.approx(0.85)
+    document = dict(result, cells=cells, target_loss=None)
+    lines = fidelity.table(document).splitlines()
+    assert "| slow-host: capacity 280 samples/s | share of capacity (median) | each run |" in lines
+    shares = [line.split(" | ")[:2] for line in lines if line.startswith("| `")]
+    # The held-out table has the balanced run alone (one run; the references have no curve); the shares, all three.
+    assert shares == [["| `allreduce balanced`", "1"], ["| `lockstep`", "0.950"], ["| `ddp balanced`", "0.900"],
+                      ["| `allreduce balanced`", "0.850"]]
 
 
 def test_each_balanced_run_is_judged_against_the_capacity_measured_around_it():
