@@ -27,8 +27,8 @@ at a quarter, granted over 10 ms periods), the cluster's capacity (`alone`: each
 loop with no exchange, both side by side; capacity is the sum of their samples/s) before, between and after
 three runs of `allreduce` balanced, each after two references that cut the global batch between the hosts
 in proportion to their speeds in the capacity just measured, fixed for the run: `lockstep` (the same loop,
-nothing exchanged but one number a step, so each step waits for the slower host's: the most any synchronous
-strategy can reach on these hosts) and `ddp balanced` (PyTorch DDP's own reducer on that cut: the gradient
+nothing exchanged but one number a step, so each step waits for the slower host's: about the most a
+synchronous strategy can reach on these hosts) and `ddp balanced` (PyTorch DDP's own reducer on that cut: the gradient
 exchange added); then DDP, `allreduce`, `async` p4 and `auto`. Each run is judged against the capacity
 measured nearest it (the mean of the measurements just before and after it). Each run's steady speed counts
 its steps after the first quarter of its time (balancing settles in its first measurements), leaving out the
@@ -436,19 +436,13 @@ def balance_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def speed_cut(rates: list[float] | None, total: int) -> list[int]:
-    """`total` samples cut between the hosts in proportion to their `rates` (largest remainders; each at
-    least one), or evenly where no rates were measured."""
+    """`total` samples cut between the hosts in proportion to their `rates` (the balancer's own cut,
+    `sharding.balanced_shares`), or evenly where no rates were measured."""
+    from workbench.sharding import balanced_shares
+
     if not rates or None in rates or min(rates) <= 0:
         rates = [1.0] * (len(rates) if rates else 2)  # two worker hosts, as the lab has
-    exact = [total * r / sum(rates) for r in rates]
-    cut = [max(1, math.floor(x)) for x in exact]
-    for i in sorted(range(len(rates)), key=lambda i: exact[i] - math.floor(exact[i]), reverse=True):
-        if sum(cut) >= total:
-            break
-        cut[i] += 1
-    while sum(cut) > total:  # a host raised to one sample: the largest part gives it back
-        cut[cut.index(max(cut))] -= 1
-    return cut
+    return balanced_shares(rates, total)
 
 
 def last_alone(cells: list[dict[str, Any]], condition: str) -> list[float] | None:
