@@ -1,7 +1,7 @@
 """One command for the benchmarks: run them, render their page, say which results are out of date.
 
     python -m benchmarks run [--suite quick|cpu|lab|gpu] [--only NAME[,NAME]] [--allow-dirty]
-    python -m benchmarks render          # docs/benchmarks.md from benchmarks/results/
+    python -m benchmarks render [--redraw]  # docs/benchmarks.md and docs/figures/ from benchmarks/results/
     python -m benchmarks check           # results whose measured code changed since their commit
     python -m benchmarks list
 
@@ -95,7 +95,8 @@ def main() -> int:
     runner.add_argument("--suite", default="cpu", choices=catalog.SUITES)
     runner.add_argument("--only", default=None, help="comma-separated benchmark names (any suite)")
     runner.add_argument("--allow-dirty", action="store_true")
-    commands.add_parser("render", help="write docs/benchmarks.md from the result files")
+    renderer = commands.add_parser("render", help="write docs/benchmarks.md and its pictures from the result files")
+    renderer.add_argument("--redraw", action="store_true", help="draw every picture again, not only missing ones")
     commands.add_parser("check", help="list results whose measured code changed since their commit")
     commands.add_parser("list", help="every benchmark, its suites and needs")
     arguments = parser.parse_args()
@@ -104,6 +105,8 @@ def main() -> int:
     if arguments.command == "render":
         pages.PAGE.write_text(pages.render())
         print(f"wrote {pages.PAGE.relative_to(resultfile.ROOT)}")
+        for picture in pages.draw(redraw=arguments.redraw):
+            print(f"drew {picture.relative_to(resultfile.ROOT)}")
         return 0
     if arguments.command == "check":
         return check(arguments)

@@ -1,15 +1,19 @@
 """The benchmarks' page, rendered from the result files alone, and which results are out of date.
 
 `render()` gives `docs/benchmarks.md`: per machine class and benchmark, where the figures come from
-(commit, date, machine, settings), the headline keys and the cells, every number read from the file. The
-page is generated, never edited; tests/unit/test_benchmark_pages.py fails when it differs from what the
-files say or a file lacks its headline keys. `stale_results()` compares each file's commit with HEAD.
+(commit, date, machine, settings), the headline keys and the cells, every number read from the file.
+`draw()` gives its pictures (`docs/figures/`): held-out loss against wall time for every result whose cells
+hold curves, each named by its result's commit, so a picture of an older result is never the one shown.
+Both are generated, never edited; tests/unit/test_benchmark_pages.py fails when the page differs from what
+the files say, a picture it shows is missing or one is left over, or a file lacks its headline keys.
+`stale_results()` compares each file's commit with HEAD.
 """
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import catalog
 import resultfile
 
 PAGE = resultfile.PAGE
+FIGURES = resultfile.FIGURES
 MEASURED = ("workbench", "testbed", "planner")  # the code a result measures, besides its own script
 MAX_ROWS = 60  # a cells table longer than this shows its first rows and says how many it left out
 
@@ -121,7 +126,60 @@ def _section(machine: str, benchmark: catalog.Benchmark, path: Path) -> list[str
         import network
 
         lines += [network.auto_table(result), ""]
+    picture = picture_for(machine, benchmark, result)
+    if picture is not None:
+        lines += [f"![{benchmark.name}: held-out loss against wall time, each configuration]"
+                  f"({picture.relative_to(PAGE.parent).as_posix()})", ""]
     return lines
+
+
+def picture_for(machine: str, benchmark: catalog.Benchmark, result: dict[str, Any]) -> Path | None:
+    """Where the picture of a result goes, or None for a result without held-out curves. The name carries
+    the commit measured: a re-measured result gets a new picture, and the old one is left over (`draw`
+    removes it; the test finds it)."""
+    if not any(isinstance(c, dict) and c.get("curve") for c in result.get("cells") or []):
+        return None
+    return FIGURES / f"{machine}-{benchmark.name}-{str(result['commit'])[:7]}.png"
+
+
+def pictures() -> dict[Path, tuple[catalog.Benchmark, dict[str, Any]]]:
+    """Every picture the page shows, with the result it is drawn from."""
+    shown = {}
+    for machine, benchmark, path in result_files():
+        result = resultfile.read(path)
+        picture = picture_for(machine, benchmark, result)
+        if picture is not None:
+            shown[picture] = (benchmark, result)
+    return shown
+
+
+def picture_problems() -> list[str]:
+    """A picture the page shows that is not drawn, or one in docs/figures that it no longer shows."""
+    shown = pictures()
+    drawn = set(FIGURES.glob("*.png")) if FIGURES.is_dir() else set()
+    return ([f"docs/figures/{p.name}: shown on the page, not drawn (python -m benchmarks render)"
+             for p in sorted(set(shown) - drawn)]
+            + [f"docs/figures/{p.name}: drawn, shown by no current result" for p in sorted(drawn - set(shown))])
+
+
+def draw(redraw: bool = False) -> list[Path]:
+    """Draw the pictures the page shows that are missing (every one with `redraw`) and remove those it no
+    longer shows; returns the ones drawn. Needs matplotlib (the `ui` extra)."""
+    sys.path.insert(0, str(resultfile.ROOT))
+    from widgets.figures import held_out_figure
+
+    shown = pictures()
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    for leftover in set(FIGURES.glob("*.png")) - set(shown):
+        leftover.unlink()
+    drawn = []
+    for picture, (benchmark, result) in shown.items():
+        if picture.exists() and not redraw:
+            continue
+        title = f"{benchmark.title}\ncommit {str(result['commit'])[:7]}, {str(result['date'])[:10]}"
+        held_out_figure(result, title=title).save(picture)
+        drawn.append(picture)
+    return drawn
 
 
 def render() -> str:

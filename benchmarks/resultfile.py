@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
 PAGE = ROOT / "docs" / "benchmarks.md"  # rendered from the result files (pages.py)
+FIGURES = ROOT / "docs" / "figures"  # the page's pictures, drawn from the result files with it (pages.py)
 PROVENANCE = ("benchmark", "commit", "dirty", "date", "machine", "settings")  # what every result file holds
 
 
@@ -61,7 +62,7 @@ def commit() -> dict[str, Any]:
 
 # What `python -m benchmarks run` and `render` write: not code a result measures. A run of several benchmarks
 # writes the first one's file before the next starts, and counting it marked every later result dirty.
-OUTPUTS = (RESULTS, PAGE)
+OUTPUTS = (RESULTS, PAGE, FIGURES)
 
 
 def tree_is_dirty(root: Path = ROOT) -> bool:

@@ -22,6 +22,33 @@ def test_the_benchmarks_page_is_what_the_result_files_say():
         "docs/benchmarks.md is out of date with benchmarks/results/: run python -m benchmarks render"
 
 
+def test_the_pictures_the_page_shows_are_drawn_and_none_is_left_over():
+    assert pages.picture_problems() == []
+
+
+def test_a_picture_is_named_by_its_results_commit_and_drawn_once(tmp_path, monkeypatch):
+    benchmark = next(b for b in catalog.BENCHMARKS if b.name == "fidelity-thin")
+    curve = [{"step": 0, "seconds": 0.0, "loss": 3.5}, {"step": 8, "seconds": 2.0, "loss": 3.1}]
+    result = {"commit": "abcdef0123", "date": "2026-12-05T01:00:00", "target_loss": 3.2,
+              "cells": [{"condition": "10mbit", "config": "ddp", "curve": curve, "samples_per_step": 64},
+                        {"condition": "10mbit", "config": "average p1", "curve": curve, "samples_per_step": 64}]}
+    assert pages.picture_for("cpu-2core", benchmark, {**result, "cells": [{"config": "alone"}]}) is None
+    monkeypatch.setattr(pages, "FIGURES", tmp_path)
+    picture = tmp_path / "cpu-2core-fidelity-thin-abcdef0.png"
+    assert pages.picture_for("cpu-2core", benchmark, result) == picture
+    monkeypatch.setattr(pages, "pictures", lambda: {picture: (benchmark, result)})
+    (tmp_path / "cpu-2core-fidelity-thin-1234567.png").write_bytes(b"an older result's")
+    assert pages.draw() == [picture]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [picture.name]  # the older one removed
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pages.draw() == [] and pages.draw(redraw=True) == [picture]
+    picture.unlink()
+    (tmp_path / "left-over.png").write_bytes(b"")
+    assert pages.picture_problems() == [
+        f"docs/figures/{picture.name}: shown on the page, not drawn (python -m benchmarks render)",
+        "docs/figures/left-over.png: drawn, shown by no current result"]
+
+
 def test_every_current_result_file_is_a_benchmarks_and_holds_its_keys():
     assert pages.problems() == []
 
