@@ -105,8 +105,7 @@ def main() -> int:
     if arguments.command == "render":
         pages.PAGE.write_text(pages.render())
         print(f"wrote {pages.PAGE.relative_to(resultfile.ROOT)}")
-        for picture in pages.draw(redraw=arguments.redraw):
-            print(f"drew {picture.relative_to(resultfile.ROOT)}")
+        pages.draw(redraw=arguments.redraw)  # each script's draw says what it drew
         return 0
     if arguments.command == "check":
         return check(arguments)

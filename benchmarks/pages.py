@@ -3,17 +3,18 @@
 `render()` gives `docs/benchmarks.md`: per machine class and benchmark, where the figures come from
 (commit, date, machine, settings), the headline keys and the cells, every number read from the file.
 `draw()` gives its pictures (`docs/figures/`): held-out loss against wall time for every result whose cells
-hold curves, each named by its result's commit, so a picture of an older result is never the one shown.
+hold curves, each named by its result's commit, so a picture of an older result is never the one shown, and
+each drawn by the `draw(result, picture)` of the script that measured it (one way to draw a result).
 Both are generated, never edited; tests/unit/test_benchmark_pages.py fails when the page differs from what
 the files say, a picture it shows is missing or one is left over, or a file lacks its headline keys.
 `stale_results()` compares each file's commit with HEAD.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +143,13 @@ def picture_for(machine: str, benchmark: catalog.Benchmark, result: dict[str, An
     return FIGURES / f"{machine}-{benchmark.name}-{str(result['commit'])[:7]}.png"
 
 
-def pictures() -> dict[Path, tuple[catalog.Benchmark, dict[str, Any]]]:
-    """Every picture the page shows, with the result it is drawn from."""
+def pictures() -> dict[Path, tuple[catalog.Benchmark, Path]]:
+    """Every picture the page shows, with the benchmark and result file it is drawn from."""
     shown = {}
     for machine, benchmark, path in result_files():
-        result = resultfile.read(path)
-        picture = picture_for(machine, benchmark, result)
+        picture = picture_for(machine, benchmark, resultfile.read(path))
         if picture is not None:
-            shown[picture] = (benchmark, result)
+            shown[picture] = (benchmark, path)
     return shown
 
 
@@ -157,27 +157,30 @@ def picture_problems() -> list[str]:
     """A picture the page shows that is not drawn, or one in docs/figures that it no longer shows."""
     shown = pictures()
     drawn = set(FIGURES.glob("*.png")) if FIGURES.is_dir() else set()
-    return ([f"docs/figures/{p.name}: shown on the page, not drawn (python -m benchmarks render)"
+    return ([f"{_shown_as(p)}: shown on the page, not drawn (python -m benchmarks render)"
              for p in sorted(set(shown) - drawn)]
-            + [f"docs/figures/{p.name}: drawn, shown by no current result" for p in sorted(drawn - set(shown))])
+            + [f"{_shown_as(p)}: drawn, shown by no current result" for p in sorted(drawn - set(shown))])
+
+
+def _shown_as(picture: Path) -> str:
+    """A picture's path from the repository root, as a reader finds it."""
+    if picture.is_relative_to(resultfile.ROOT):
+        return picture.relative_to(resultfile.ROOT).as_posix()
+    return str(picture)
 
 
 def draw(redraw: bool = False) -> list[Path]:
     """Draw the pictures the page shows that are missing (every one with `redraw`) and remove those it no
     longer shows; returns the ones drawn. Needs matplotlib (the `ui` extra)."""
-    sys.path.insert(0, str(resultfile.ROOT))
-    from widgets.figures import held_out_figure
-
     shown = pictures()
     FIGURES.mkdir(parents=True, exist_ok=True)
     for leftover in set(FIGURES.glob("*.png")) - set(shown):
         leftover.unlink()
     drawn = []
-    for picture, (benchmark, result) in shown.items():
+    for picture, (benchmark, path) in shown.items():
         if picture.exists() and not redraw:
             continue
-        title = f"{benchmark.title}\ncommit {str(result['commit'])[:7]}, {str(result['date'])[:10]}"
-        held_out_figure(result, title=title).save(picture)
+        importlib.import_module(Path(benchmark.script).stem).draw(path, picture)
         drawn.append(picture)
     return drawn
 

@@ -26,27 +26,34 @@ def test_the_pictures_the_page_shows_are_drawn_and_none_is_left_over():
     assert pages.picture_problems() == []
 
 
-def test_a_picture_is_named_by_its_results_commit_and_drawn_once(tmp_path, monkeypatch):
+def test_a_picture_is_named_by_its_results_commit_and_drawn_once_by_its_script(tmp_path, monkeypatch):
     benchmark = next(b for b in catalog.BENCHMARKS if b.name == "fidelity-thin")
     curve = [{"step": 0, "seconds": 0.0, "loss": 3.5}, {"step": 8, "seconds": 2.0, "loss": 3.1}]
     result = {"commit": "abcdef0123", "date": "2026-12-05T01:00:00", "target_loss": 3.2,
+              "settings": {"model": "gpt-mini", "context": 64, "budget": "8 steps"},
               "cells": [{"condition": "10mbit", "config": "ddp", "curve": curve, "samples_per_step": 64},
                         {"condition": "10mbit", "config": "average p1", "curve": curve, "samples_per_step": 64}]}
     assert pages.picture_for("cpu-2core", benchmark, {**result, "cells": [{"config": "alone"}]}) is None
-    monkeypatch.setattr(pages, "FIGURES", tmp_path)
-    picture = tmp_path / "cpu-2core-fidelity-thin-abcdef0.png"
+    monkeypatch.setattr(pages, "FIGURES", tmp_path / "figures")
+    picture = tmp_path / "figures" / "cpu-2core-fidelity-thin-abcdef0.png"
     assert pages.picture_for("cpu-2core", benchmark, result) == picture
-    monkeypatch.setattr(pages, "pictures", lambda: {picture: (benchmark, result)})
-    (tmp_path / "cpu-2core-fidelity-thin-1234567.png").write_bytes(b"an older result's")
-    assert pages.draw() == [picture]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [picture.name]  # the older one removed
+    result_path = tmp_path / "fidelity-thin.json"
+    result_path.write_text(json.dumps(result))
+    monkeypatch.setattr(pages, "pictures", lambda: {picture: (benchmark, result_path)})
+    picture.parent.mkdir()
+    (picture.parent / "cpu-2core-fidelity-thin-1234567.png").write_bytes(b"an older result's")
+    assert pages.draw() == [picture]  # by fidelity.py's draw, as `fidelity.py --draw` does
+    assert sorted(p.name for p in picture.parent.iterdir()) == [picture.name]  # the older one removed
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert pages.draw() == [] and pages.draw(redraw=True) == [picture]
     picture.unlink()
-    (tmp_path / "left-over.png").write_bytes(b"")
+    (picture.parent / "left-over.png").write_bytes(b"")
     assert pages.picture_problems() == [
-        f"docs/figures/{picture.name}: shown on the page, not drawn (python -m benchmarks render)",
-        "docs/figures/left-over.png: drawn, shown by no current result"]
+        f"{picture}: shown on the page, not drawn (python -m benchmarks render)",
+        f"{picture.parent / 'left-over.png'}: drawn, shown by no current result"]
+    monkeypatch.setattr(pages, "FIGURES", resultfile.FIGURES)
+    monkeypatch.setattr(pages, "pictures", lambda: {resultfile.FIGURES / "absent.png": (benchmark, result_path)})
+    assert pages.picture_problems()[0] == "docs/figures/absent.png: shown on the page, not drawn (python -m benchmarks render)"
 
 
 def test_every_current_result_file_is_a_benchmarks_and_holds_its_keys():
