@@ -180,7 +180,11 @@ def draw(redraw: bool = False) -> list[Path]:
     for picture, (benchmark, path) in shown.items():
         if picture.exists() and not redraw:
             continue
-        importlib.import_module(Path(benchmark.script).stem).draw(path, picture)
+        script = importlib.import_module(Path(benchmark.script).stem)
+        if not hasattr(script, "draw"):
+            raise RuntimeError(f"{path}: its cells hold held-out curves, but benchmarks/{benchmark.script} has no "
+                               "draw(result, picture) to draw them")
+        script.draw(path, picture)
         drawn.append(picture)
     return drawn
 

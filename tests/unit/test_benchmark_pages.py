@@ -53,7 +53,18 @@ def test_a_picture_is_named_by_its_results_commit_and_drawn_once_by_its_script(t
         f"{picture.parent / 'left-over.png'}: drawn, shown by no current result"]
     monkeypatch.setattr(pages, "FIGURES", resultfile.FIGURES)
     monkeypatch.setattr(pages, "pictures", lambda: {resultfile.FIGURES / "absent.png": (benchmark, result_path)})
-    assert pages.picture_problems()[0] == "docs/figures/absent.png: shown on the page, not drawn (python -m benchmarks render)"
+    assert pages.picture_problems()[0] == \
+        "docs/figures/absent.png: shown on the page, not drawn (python -m benchmarks render)"
+
+
+def test_a_result_with_curves_from_a_script_that_cannot_draw_them_is_refused_by_name(tmp_path, monkeypatch):
+    benchmark = next(b for b in catalog.BENCHMARKS if b.name == "time-to-accuracy")
+    monkeypatch.setattr(pages, "FIGURES", tmp_path)
+    result_path = tmp_path / "time-to-accuracy.json"
+    monkeypatch.setattr(pages, "pictures", lambda: {tmp_path / "a.png": (benchmark, result_path)})
+    with pytest.raises(RuntimeError, match="time_to_accuracy.py has no draw"):
+        pages.draw()
+    assert not (tmp_path / "a.png").exists()
 
 
 def test_every_current_result_file_is_a_benchmarks_and_holds_its_keys():
