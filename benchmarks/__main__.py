@@ -8,11 +8,13 @@
 `run` starts each benchmark's script with `--out benchmarks/results/<machine class>/<name>.json` (the
 `quick` suite writes to `benchmarks/scratch/`, which nothing reads), refuses a tree with uncommitted changes
 (a result names the commit it measured; `--allow-dirty` runs anyway and the file says `dirty: true`), and
-skips a benchmark whose needs (the lab: root, `ip`, `tc`; a GPU) this machine lacks, saying why.
+skips a benchmark whose needs (the lab: root, `ip`, `tc`; a GPU) this machine lacks, saying why. Where the
+tree is no git clone (the GPU machine's copy), `COMMIT=<sha> DIRTY=false` name what it is a copy of.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +52,9 @@ def run(arguments: argparse.Namespace) -> int:
             sys.exit(f"--only {','.join(unknown)}: no such benchmark; one of {', '.join(catalog.BY_NAME)}")
         chosen = [catalog.BY_NAME[n] for n in names]
     quick = arguments.suite == "quick"
-    if not quick and not arguments.allow_dirty and resultfile.tree_is_dirty():
+    # COMMIT in the environment: the caller names the commit and whether its tree was clean (the device
+    # machine's copy of the tree is no git clone; benchmarks/gpu_check.sh).
+    if not quick and not arguments.allow_dirty and not os.environ.get("COMMIT") and resultfile.tree_is_dirty():
         sys.exit("the tree has uncommitted changes: a result must name the commit it measured. Commit first, "
                  "or pass --allow-dirty (the result then says dirty: true)")
     failed = []

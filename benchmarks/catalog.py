@@ -100,6 +100,22 @@ BENCHMARKS = (
               headline=("vs_none_10", "cores_per_session_10"), rows="table",
               columns=("samples_per_s", "vs_none", "dashboard_cores", "dashboard_cores_per_session",
                        "viewer_cores", "updates_per_session_min")),
+    # The GPU suite: each part under its own limit in benchmarks/gpu_check.sh (the device machine is lent
+    # for about 15 minutes a session), with the settings that fitted it on an H200.
+    Benchmark("gpu-gpt-compiled", "The real workload on a GPU: one compiled worker against a plain compiled loop",
+              "gpt_gpu.py", args=("--parts", "1", "--warmup", "15", "--steps", "60"), suites=("gpu",), needs="gpu",
+              headline=("one_worker_vs_plain", "plain_mfu", "workbench_mfu"),
+              columns=("repeat", "plain_samples_per_s", "workbench_samples_per_s", "workbench_compute_ms")),
+    Benchmark("gpu-gpt-strategies", "The real workload on a GPU: every strategy on two workers sharing it",
+              "gpt_gpu.py", args=("--parts", "2", "--timeout", "90"), suites=("gpu",), needs="gpu", rows="strategies",
+              headline=("strategies_finished", "strategies_run", "worst_loss_vs_allreduce"),
+              columns=("status", "samples_per_s", "held_out_loss", "bits_per_char", "staleness_mean",
+                       "bytes_sent_per_step")),
+    Benchmark("gpu-throughput", "Throughput on a GPU: a transformer in bf16 against a plain loop, DDP and the limit",
+              "throughput.py", args=("--device", "cuda", "--repeats", "1"), suites=("gpu",), needs="gpu",
+              headline=("one_worker_vs_plain", "one_worker_vs_ddp_x1", "workbench_overhead_ms_per_step",
+                        "ddp_x2_gloo_vs_limit", "allreduce_x2_vs_limit"),
+              columns=("samples_per_s", "vs_plain", "vs_limit", "compute_ms", "comm_ms", "gpu_utilization")),
 )
 
 BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}

@@ -1,6 +1,6 @@
 """The real workload on a GPU: the character-level GPT on the standard library's source, compiled, in bf16.
 
-Two parts, one result file:
+Two parts, each a benchmark with its own result file (`--parts 1,2` by hand writes both into one):
 
 1. **One worker against a plain compiled loop** of the same model (`--size`, default gpt-medium, 86M
    parameters, context 1024), on the same data and batch, AdamW, bf16 autocast, `torch.compile` on the
@@ -15,7 +15,8 @@ Two parts, one result file:
    each with its held-out loss curve (every `--eval-every` steps), samples/s, and staleness; the run
    directories are kept (`--runs`) for the dashboard's picture.
 
-    python benchmarks/gpt_gpu.py --out benchmarks/results/gpu-nvidia-h200/gpt.json [--runs DIR]
+    python -m benchmarks run --only gpu-gpt-compiled,gpu-gpt-strategies   # benchmarks/results/gpu-<model>/
+    python benchmarks/gpt_gpu.py --parts 1 --out FILE [--runs DIR]        # the same by hand
 
 On a machine without a GPU, `--device cpu --size gpt-test --strategy-size gpt-test` runs the same code
 small (how the script is checked before it takes GPU time).
@@ -23,9 +24,7 @@ small (how the script is checked before it takes GPU time).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -55,6 +54,10 @@ STRATEGY_RUNS = [
     ("easgd p16", "easgd", {"period": 16}),
     ("auto", "auto", {}),
 ]
+
+
+# The result's benchmark name (benchmarks/catalog.py) by the parts measured: each part is a benchmark of its own.
+BENCHMARK_NAMES = {"1": "gpu-gpt-compiled", "2": "gpu-gpt-strategies"}
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -134,6 +137,9 @@ def compiled_one_worker(arguments, result, save):
         cell["workbench_samples_per_s"].append(rate)
         cell["workbench_compute_ms"].append(1e3 * steady["compute_s"].median())
         cell["runs"].append(run.run_id)
+        result.setdefault("cells", []).append({"repeat": repeat, "plain_samples_per_s": plain, "run": run.run_id,
+                                               "workbench_samples_per_s": rate,
+                                               "workbench_compute_ms": cell["workbench_compute_ms"][-1]})
         print(f"[{repeat}] workbench, 1 worker, compiled: {rate:,.1f} samples/s ({time.monotonic() - began:.0f} s)",
               flush=True)
         plain, rate = (statistics.median(cell[k]) for k in ("plain_samples_per_s", "workbench_samples_per_s"))
@@ -189,9 +195,17 @@ def every_strategy(arguments, result, save):
             save()
             print(f"{name}: {status}, {rate:,.0f} samples/s, held-out loss {final.get('loss', float('nan')):.4f}, "
                   f"staleness {staleness.get('mean')}, {time.monotonic() - began:.0f} s", flush=True)
+    result.update(strategy_headline(cells))
+
+
+def strategy_headline(cells: dict[str, dict]) -> dict:
+    """Part 2's headline keys from its cells: how many runs finished, and each held-out loss over
+    `allreduce`'s (the worst of them the headline; None without `allreduce`'s held-out loss)."""
     losses = {n: c["held_out_loss"] for n, c in cells.items() if c.get("held_out_loss") is not None}
-    if "allreduce" in losses:
-        result["held_out_loss_vs_allreduce"] = {n: loss / losses["allreduce"] for n, loss in losses.items()}
+    versus = {n: loss / losses["allreduce"] for n, loss in losses.items()} if "allreduce" in losses else {}
+    finished = sum(cell.get("status") == "finished" for cell in cells.values())
+    return {"strategies_run": len(cells), "strategies_finished": finished, "held_out_loss_vs_allreduce": versus,
+            "worst_loss_vs_allreduce": max(versus.values()) if versus else None}
 
 
 def main() -> None:
@@ -217,14 +231,9 @@ def main() -> None:
     parser.add_argument("--runs", default="/tmp/gpt-gpu-runs", help="where the runs' directories are written")
     parser.add_argument("--out", required=True)
     arguments = parser.parse_args()
-    result = {"benchmark": "gpt_gpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.node(), "torch": torch.__version__, **resultfile.commit(),
-              "settings": {k: v for k, v in vars(arguments).items() if k not in ("out", "runs")}}
-    if arguments.device == "cuda":
-        result["device"] = torch.cuda.get_device_name(0)
-    out = Path(arguments.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save = lambda: out.write_text(json.dumps(result, indent=1, default=str))  # noqa: E731 - what was measured survives a cut
+    settings = {k: v for k, v in vars(arguments).items() if k not in ("out", "runs")}
+    result = resultfile.document(BENCHMARK_NAMES.get(arguments.parts, "gpu-gpt"), settings)
+    save = lambda: resultfile.write(arguments.out, result)  # noqa: E731 - what was measured survives a cut
     parts = {"1": compiled_one_worker, "2": every_strategy}
     for part in arguments.parts.split(","):
         try:
@@ -233,7 +242,8 @@ def main() -> None:
             result.setdefault("errors", {})[part] = f"{type(error).__name__}: {error}"
             print(f"part {part} failed: {error}", flush=True)
         save()
-    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, default=str))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, default=str))
+    sys.exit(1 if result.get("errors") else 0)  # `python -m benchmarks run` then reports the benchmark failed
 
 
 if __name__ == "__main__":

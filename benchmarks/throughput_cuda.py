@@ -10,13 +10,13 @@ on a cluster of two workers sharing the GPU each strategy. Every loop reads its 
 the workbench does for its metrics. Medians over repetitions; ratios to the plain loop and to the limit.
 The workbench's cost per step is the difference of the step times, 1/rate.
 
-    python benchmarks/throughput.py --device cuda [--repeats 2] [--steps 100] [--out results/gpu-x.json]
+    python -m benchmarks run --only gpu-throughput   # benchmarks/results/gpu-<model>/gpu-throughput.json
+    python benchmarks/throughput.py --device cuda [--repeats 2] [--steps 100] [--out FILE]
 """
 from __future__ import annotations
 
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import resultfile
 import workbench
 from throughput import spawn_and_sum, steady_rate
 
@@ -138,12 +139,14 @@ def main(arguments) -> None:
     samples: dict[str, list[float]] = {}
     extras: dict[str, dict] = {}
     began = time.monotonic()
+    out = arguments.out or resultfile.path_for("gpu-throughput")
+    base = resultfile.document("gpu-throughput", {"repeats": arguments.repeats, "steps": steps, "only": arguments.only})
 
     def record(name, value):
         samples.setdefault(name, []).append(value)
         print(f"[{time.monotonic() - began:5.0f} s] {name}: {value:,.0f} samples/s", flush=True)
-        if arguments.out:  # whatever was measured survives a run cut short
-            save(arguments.out, report(samples, extras, arguments.repeats, steps))
+        # whatever was measured survives a run cut short
+        resultfile.write(out, {**base, **report(samples, extras, arguments.repeats, steps)})
 
     for repeat in range(arguments.repeats):
         record("plain", measure_plain(steps))
@@ -157,29 +160,30 @@ def main(arguments) -> None:
                 rate, extras[name] = measure_workbench(client, short, strategy, **settings)
                 record(name, rate)
         record("ddp x2 gloo", measure_ddp(short, 2, "gloo"))
-    result = report(samples, extras, arguments.repeats, steps)
+    result = {**base, **report(samples, extras, arguments.repeats, steps)}
+    resultfile.write(out, result)
     print_table(result, extras)
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "details"}))
-    if arguments.out:
-        save(arguments.out, result)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
+                      if not isinstance(v, (dict, list))}))
 
 
-def save(path, result):
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1, default=str)
-
-
-def report(samples, extras, repeats, steps):
-    """The result so far: medians, and the ratios whose configurations were measured."""
+def report(samples: dict[str, list[float]], extras: dict[str, dict], repeats: int, steps: int) -> dict:
+    """The measurements so far: medians, a row per configuration (`cells`), and the ratios whose
+    configurations were measured."""
     medians = {name: statistics.median(values) for name, values in samples.items()}
     parameters = sum(p.numel() for p in TokenClassifier().parameters())
     result = {
-        "device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-        "machine": platform.node(), "torch": torch.__version__,
         "model": f"transformer {BLOCKS}x{WIDTH}, {parameters} parameters, bf16 autocast, AdamW",
         "batch": f"{BATCH}x{SEQUENCE} tokens per worker", "repeats": repeats, "steps": steps,
         "samples_per_s": medians,
     }
+    limit_rate = medians.get("plain x2 side by side")
+    result["cells"] = {name: {"samples_per_s": value, "each": samples[name],
+                              "vs_plain": value / medians["plain"] if "plain" in medians else None,
+                              "vs_limit": value / limit_rate if limit_rate and "x2" in name else None,
+                              **{key: extras.get(name, {}).get(key)
+                                 for key in ("compute_ms", "comm_ms", "gpu_utilization")}}
+                       for name, value in medians.items()}
     ratio = lambda a, b: medians[a] / medians[b] if a in medians and b in medians else None  # noqa: E731
     limit = "plain x2 side by side"
     result.update({
@@ -201,8 +205,8 @@ def report(samples, extras, repeats, steps):
 def print_table(result, extras):
     medians = result["samples_per_s"]
     plain, limit = medians["plain"], medians.get("plain x2 side by side")
-    print(f"\n{result['device']}: {result['model']}, batch {result['batch']}, {result['repeats']} repeats "
-          f"(medians), torch {result['torch']}")
+    print(f"\n{result['machine']['gpu']}: {result['model']}, batch {result['batch']}, {result['repeats']} repeats "
+          f"(medians), torch {result['machine']['torch']}")
     print(f"{'configuration':<26}{'samples/s':>11}{'ms/step':>9}{'vs plain':>10}{'vs limit':>10}{'compute ms':>12}"
           f"{'comm ms':>9}{'GPU %':>7}")
     for name, value in medians.items():
