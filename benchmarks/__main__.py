@@ -14,7 +14,6 @@ tree is no git clone (the GPU machine's copy), `COMMIT=<sha> DIRTY=false` name w
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +51,9 @@ def run(arguments: argparse.Namespace) -> int:
             sys.exit(f"--only {','.join(unknown)}: no such benchmark; one of {', '.join(catalog.BY_NAME)}")
         chosen = [catalog.BY_NAME[n] for n in names]
     quick = arguments.suite == "quick"
-    # COMMIT in the environment: the caller names the commit and whether its tree was clean (the device
-    # machine's copy of the tree is no git clone; benchmarks/gpu_check.sh).
-    if not quick and not arguments.allow_dirty and not os.environ.get("COMMIT") and resultfile.tree_is_dirty():
+    # resultfile.commit() says, as every result file will: from git, or as COMMIT/DIRTY say where the tree is
+    # no git clone (the GPU machine's copy; benchmarks/gpu_check.sh).
+    if not quick and not arguments.allow_dirty and resultfile.commit()["dirty"] is True:
         sys.exit("the tree has uncommitted changes: a result must name the commit it measured. Commit first, "
                  "or pass --allow-dirty (the result then says dirty: true)")
     failed = []

@@ -116,13 +116,12 @@ def compiled_one_worker(arguments, result, save):
     cell = result["compiled_one_worker"] = {
         "model": arguments.size, "parameters": parameters, "context": context, "batch": arguments.batch,
         "flops_per_token": flops_per_token, "warmup_steps": arguments.warmup, "timed_steps": arguments.steps,
-        "plain_samples_per_s": [], "workbench_samples_per_s": [], "workbench_compute_ms": [], "runs": [],
     }
+    rows = result["cells"] = []  # one per repetition; the medians and ratios below come from them
     # Interleaved repetitions (plain, workbench, plain, ...): the GPU's clocks drift over minutes.
     for repeat in range(arguments.repeats):
         began = time.monotonic()
         plain = spawn_and_sum(_plain_process, [(arguments,)], mp.get_context("spawn"))
-        cell["plain_samples_per_s"].append(plain)
         print(f"[{repeat}] plain compiled loop: {plain:,.1f} samples/s ({time.monotonic() - began:.0f} s with "
               "compiling)", flush=True)
         began = time.monotonic()
@@ -134,23 +133,19 @@ def compiled_one_worker(arguments, result, save):
             steady = run.metrics[run.metrics["step"] >= arguments.warmup]
             cell["device"] = (run.config["devices"][0] or {}).get("name", arguments.device)
             cell["workbench_held_out"] = next((e for e in run.events("eval") if e.get("final")), None)
-        cell["workbench_samples_per_s"].append(rate)
-        cell["workbench_compute_ms"].append(1e3 * steady["compute_s"].median())
-        cell["runs"].append(run.run_id)
-        result.setdefault("cells", []).append({"repeat": repeat, "plain_samples_per_s": plain, "run": run.run_id,
-                                               "workbench_samples_per_s": rate,
-                                               "workbench_compute_ms": cell["workbench_compute_ms"][-1]})
+        rows.append({"repeat": repeat, "plain_samples_per_s": plain, "workbench_samples_per_s": rate,
+                     "workbench_compute_ms": 1e3 * steady["compute_s"].median(), "run": run.run_id,
+                     "one_worker_vs_plain": rate / plain})
         print(f"[{repeat}] workbench, 1 worker, compiled: {rate:,.1f} samples/s ({time.monotonic() - began:.0f} s)",
               flush=True)
-        plain, rate = (statistics.median(cell[k]) for k in ("plain_samples_per_s", "workbench_samples_per_s"))
+        plain, rate = (statistics.median(row[k] for row in rows) for k in ("plain_samples_per_s",
+                                                                           "workbench_samples_per_s"))
         peak = peak_flops(cell["device"])
         mfu = (lambda samples_per_s: flops_per_token * context * samples_per_s / peak) if peak else (lambda _: None)
         cell.update(bf16_peak_flops=peak, repeats_done=repeat + 1,
                     plain_tokens_per_s=plain * context, workbench_tokens_per_s=rate * context,
                     plain_step_ms=1e3 * arguments.batch / plain, workbench_step_ms=1e3 * arguments.batch / rate)
-        result.update(one_worker_vs_plain=rate / plain, plain_mfu=mfu(plain), workbench_mfu=mfu(rate),
-                      one_worker_vs_plain_each=[w / p for w, p in zip(cell["workbench_samples_per_s"],
-                                                                      cell["plain_samples_per_s"])])
+        result.update(one_worker_vs_plain=rate / plain, plain_mfu=mfu(plain), workbench_mfu=mfu(rate))
         save()
 
 

@@ -51,7 +51,8 @@ def commit() -> dict[str, Any]:
     """The commit measured: as the caller says (COMMIT=..., DIRTY=...: the device machine's copy of the tree
     is not the clone it came from), else from git."""
     if os.environ.get("COMMIT"):
-        return {"commit": os.environ["COMMIT"], "dirty": os.environ.get("DIRTY", "unknown")}
+        said = os.environ.get("DIRTY", "unknown")
+        return {"commit": os.environ["COMMIT"], "dirty": {"true": True, "false": False}.get(said.lower(), said)}
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -162,7 +162,7 @@ def main(arguments) -> None:
         record("ddp x2 gloo", measure_ddp(short, 2, "gloo"))
     result = {**base, **report(samples, extras, arguments.repeats, steps)}
     resultfile.write(out, result)
-    print_table(result, extras)
+    print_table(result)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
                       if not isinstance(v, (dict, list))}))
 
@@ -175,7 +175,6 @@ def report(samples: dict[str, list[float]], extras: dict[str, dict], repeats: in
     result = {
         "model": f"transformer {BLOCKS}x{WIDTH}, {parameters} parameters, bf16 autocast, AdamW",
         "batch": f"{BATCH}x{SEQUENCE} tokens per worker", "repeats": repeats, "steps": steps,
-        "samples_per_s": medians,
     }
     limit_rate = medians.get("plain x2 side by side")
     result["cells"] = {name: {"samples_per_s": value, "each": samples[name],
@@ -202,18 +201,15 @@ def report(samples: dict[str, list[float]], extras: dict[str, dict], repeats: in
     return result
 
 
-def print_table(result, extras):
-    medians = result["samples_per_s"]
-    plain, limit = medians["plain"], medians.get("plain x2 side by side")
+def print_table(result):
     print(f"\n{result['machine']['gpu']}: {result['model']}, batch {result['batch']}, {result['repeats']} repeats "
           f"(medians), torch {result['machine']['torch']}")
     print(f"{'configuration':<26}{'samples/s':>11}{'ms/step':>9}{'vs plain':>10}{'vs limit':>10}{'compute ms':>12}"
           f"{'comm ms':>9}{'GPU %':>7}")
-    for name, value in medians.items():
-        extra = extras.get(name, {})
+    shown = lambda value, form: "" if value is None else format(value, form)  # noqa: E731
+    for name, row in result["cells"].items():
         workers = 2 if "x2" in name else 1
-        cells = [f"{extra[key]:.1f}" if extra.get(key) is not None else "" for key in ("compute_ms", "comm_ms")]
-        utilization = f"{extra['gpu_utilization']:.0f}" if extra.get("gpu_utilization") is not None else ""
-        versus_limit = f"{value / limit:.3f}" if limit else ""
-        print(f"{name:<26}{value:>11,.0f}{1e3 * BATCH * workers / value:>9.1f}{value / plain:>10.3f}"
-              f"{versus_limit:>10}{cells[0]:>12}{cells[1]:>9}{utilization:>7}")
+        print(f"{name:<26}{row['samples_per_s']:>11,.0f}{1e3 * BATCH * workers / row['samples_per_s']:>9.1f}"
+              f"{shown(row['vs_plain'], '.3f'):>10}{shown(row['vs_limit'], '.3f'):>10}"
+              f"{shown(row['compute_ms'], '.1f'):>12}{shown(row['comm_ms'], '.1f'):>9}"
+              f"{shown(row['gpu_utilization'], '.0f'):>7}")

@@ -102,6 +102,16 @@ def test_a_machine_class_is_named_by_its_cores_or_its_gpu(monkeypatch):
     assert resultfile.machine_class() == f"cpu-{os.cpu_count()}core"  # torch here has no CUDA
 
 
+def test_where_the_tree_is_no_clone_the_commit_and_its_state_are_as_the_caller_says(monkeypatch):
+    monkeypatch.setenv("COMMIT", "0123abc")
+    monkeypatch.setenv("DIRTY", "false")
+    assert resultfile.commit() == {"commit": "0123abc", "dirty": False}
+    monkeypatch.setenv("DIRTY", "True")
+    assert resultfile.commit()["dirty"] is True  # and `python -m benchmarks run` refuses it
+    monkeypatch.delenv("DIRTY")
+    assert resultfile.commit()["dirty"] == "unknown"
+
+
 def test_a_tree_is_dirty_for_code_changed_not_for_the_results_a_run_writes(tmp_path):
     # A run of several benchmarks writes the first one's result before the next starts: that file, and the
     # page rendered from the files, are outputs, not code a result measures.

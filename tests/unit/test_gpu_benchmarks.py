@@ -61,3 +61,16 @@ def test_the_gpu_throughput_report_has_a_row_per_configuration_and_ratios_of_med
     assert rows["workbench 1 worker"]["gpu_utilization"] == 97.0
     benchmark = catalog.BY_NAME["gpu-throughput"]
     assert [key for key in benchmark.headline if key not in report] == []
+
+
+def test_the_gpu_throughput_table_prints_each_row_from_the_result(capsys):
+    import throughput_cuda
+
+    samples = {"plain": [1000.0], "plain x2 side by side": [1600.0], "allreduce x2": [1200.0]}
+    extras = {"allreduce x2": {"compute_ms": 80.0, "comm_ms": 25.5, "gpu_utilization": 91.0}}
+    result = {"machine": {"gpu": "NVIDIA H200", "torch": "2.13.0"}, **throughput_cuda.report(samples, extras, 1, 100)}
+    throughput_cuda.print_table(result)
+    lines = {line.split()[0] + (" " + line.split()[1] if "x2" in line else ""): line
+             for line in capsys.readouterr().out.splitlines()[2:] if line}
+    assert lines["allreduce x2"].split()[2:] == ["1,200", "213.3", "1.200", "0.750", "80.0", "25.5", "91"]
+    assert lines["plain"].split()[1:] == ["1,000", "128.0", "1.000"]  # no limit, no extras: left blank
