@@ -253,7 +253,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], model_bytes: float | None = 
         # Each worker had a core at most: once the first bucket is ready its copies and the rest of
         # backward share that core, so the measured compute holds that much copying (and that copy is
         # hidden). With spare cores the copies ran beside backward.
-        overlapped = (1 - min(1.0, bucket_mb * MIB / model_bytes)) * BACKWARD_SHARE
+        overlapped = (1 - bucket_sizes(model_bytes, bucket_mb * MIB)[0] / model_bytes) * BACKWARD_SHARE
         saturated = cores is not None and n >= cores
         pure_compute = measured_compute / (1 + overlapped) if saturated else measured_compute
         # The wait for the slower worker (predict's `idle`) is part of the measured exposure, not of the
@@ -346,18 +346,29 @@ def expected_max(n: int) -> float:
     return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
+FIRST_BUCKET_BYTES = MIB  # the first bucket's cap in the workbench (and DDP): its exchange starts early in backward
+
+
+def bucket_sizes(payload_bytes: float, bucket_bytes: float) -> list[float]:
+    """An all-reduce's buckets in the order they start, as `strategies/allreduce.py` cuts them: the first
+    of at most `FIRST_BUCKET_BYTES`, the others of at most `bucket_bytes`."""
+    sizes: list[float] = []
+    left = payload_bytes
+    while left > 0:
+        cap = bucket_bytes if sizes else min(bucket_bytes, FIRST_BUCKET_BYTES)
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+    return sizes
+
+
 def bucket_exposure(transfer_s: float, backward_s: float, payload_bytes: float, bucket_bytes: float) -> float:
-    """Time an all-reduce adds after backward ends, when its buckets start as their gradients are ready
-    (gradients become ready evenly during backward, the last layers' first) and share one link: the
-    whole transfer takes `transfer_s`."""
+    """Time an all-reduce adds after backward ends, when its buckets (`bucket_sizes`) start as their
+    gradients are ready (gradients become ready evenly during backward, the last layers' first) and share
+    one link: the whole transfer takes `transfer_s`."""
     if transfer_s <= 0 or payload_bytes <= 0:
         return 0.0
-    sizes, left = [], payload_bytes
-    while left > 0:
-        sizes.append(min(bucket_bytes, left))
-        left -= sizes[-1]
     finished, ready = 0.0, 0.0
-    for size in sizes:
+    for size in bucket_sizes(payload_bytes, bucket_bytes):
         ready += backward_s * size / payload_bytes
         finished = max(finished, ready) + transfer_s * size / payload_bytes
     return max(0.0, finished - backward_s)
@@ -378,7 +389,7 @@ def _invert_overlap(exposed_s: float, backward_s: float, payload_bytes: float, b
 # --- prediction --------------------------------------------------------------------------------------------
 
 DEFAULTS: dict[str, dict[str, Any]] = {  # each strategy's settings as the workbench defaults them
-    "allreduce": {"bucket_mb": 1.0, "wire_dtype": "float32"},
+    "allreduce": {"bucket_mb": 25.0, "wire_dtype": "float32"},
     "average": {"period": 4, "overlap": False, "wire_dtype": "float32"},
     "async": {"push_every": 1, "fetch_every": None, "shards": 1, "overlap": True, "compression": "none",
               "topk_ratio": 0.01, "reply_compression": None},
@@ -606,7 +617,7 @@ class _Model:
         # without it, 12-19% above with it (2026-11-24 and -25 grids). Why the loop gains less is open.
         if self.strategy == "allreduce":
             steps = 1
-            buckets = max(1, math.ceil(c.model_bytes / (values["bucket_mb"] * MIB)))
+            buckets = max(1, len(bucket_sizes(c.model_bytes, values["bucket_mb"] * MIB)))
             transfer = self._transfer(payload, pace) + c.latency_s * 2 * (n - 1) * buckets if payload else 0.0
             exposed = bucket_exposure(transfer, BACKWARD_SHARE * compute, c.model_bytes,
                                       values["bucket_mb"] * MIB)

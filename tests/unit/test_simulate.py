@@ -37,13 +37,18 @@ def test_a_faster_link_never_lowers_predicted_throughput(strategy, settings, wor
 
 @pytest.mark.parametrize("workers", [2, 4, 8])
 def test_allreduce_comm_share_is_the_hand_computed_value(workers):
-    # Dedicated hosts, no spread, one bucket holding the whole model: the all-reduce starts when
-    # backward ends, so the step is compute plus the ring's 2(N-1)/N of the model at the link rate.
+    # Dedicated hosts, no spread, a bucket cap over the model: the first bucket (1 MiB, as DDP's) starts
+    # when its share of backward is done, the rest when backward ends; on this thin link the transfer
+    # outlasts backward, so the step is compute plus the ring's 2(N-1)/N of the model at the link rate,
+    # less the part of backward the first bucket's transfer ran beside.
     cal = calibration()
     rate = 12.5e6
     got = predict(cal, "allreduce", {"bucket_mb": 64}, workers, rate)
     # A shaped link carries its rate in Ethernet frames: TCP's payload is 1448 of every 1514 bytes.
-    transfer = 2 * (workers - 1) / workers * MODEL_BYTES / (rate * 1448 / 1514)
+    whole = 2 * (workers - 1) / workers * MODEL_BYTES / (rate * 1448 / 1514)
+    first = simulate.MIB / MODEL_BYTES
+    backward = simulate.BACKWARD_SHARE * cal.compute_s
+    transfer = whole - backward * (1 - first)
     assert got.comm_share == pytest.approx(transfer / (cal.compute_s + transfer))
     assert got.samples_per_s == pytest.approx(workers * 128 / (cal.compute_s + transfer))
 
@@ -151,10 +156,13 @@ def test_synchronous_workers_compute_in_lockstep_so_a_slow_link_leaves_their_com
     average = predict(cal, "average", {"period": 16}, 4, rate, cores=2)
     assert average.cpu_speed == pytest.approx(speed, rel=1e-6)
     assert average.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s / speed + transfer), rel=1e-6)
-    # One bucket holding the whole model: the all-reduce starts when backward ends.
-    allreduce = predict(cal, "allreduce", {"bucket_mb": 64}, 4, rate, cores=2)
+    # A model within the first bucket's 1 MiB, so one bucket: the all-reduce starts when backward ends.
+    small = calibration(model_bytes=simulate.MIB)
+    payload = 2 * 3 / 4 * small.model_bytes
+    transfer_small = max(payload / (rate * cal.link_efficiency), payload / (cal.host_rate * speed))
+    allreduce = predict(small, "allreduce", {"bucket_mb": 64}, 4, rate, cores=2)
     assert allreduce.cpu_speed == pytest.approx(speed, rel=1e-6)
-    assert allreduce.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / speed + transfer), rel=1e-6)
+    assert allreduce.samples_per_s == pytest.approx(4 * 128 / (cal.compute_s / speed + transfer_small), rel=1e-6)
     # With a core each (dedicated hosts), the same link leaves their compute at full speed.
     alone = predict(cal, "average", {"period": 16}, 4, rate)
     assert alone.samples_per_s == pytest.approx(4 * 16 * 128 / (16 * cal.compute_s + transfer), rel=1e-6)
@@ -298,7 +306,7 @@ def _synthetic_allreduce(cal: Calibration, workers: int, cores: float | None, st
     wire = 2 * (workers - 1) / workers * cal.model_bytes
     copy = wire / cal.host_rate
     bucket = simulate.DEFAULTS["allreduce"]["bucket_mb"] * simulate.MIB  # the run's: the workbench's default
-    first = min(1.0, bucket / cal.model_bytes)
+    first = simulate.bucket_sizes(cal.model_bytes, bucket)[0] / cal.model_bytes
     if cores is not None and workers >= cores:
         share = cores / workers
         overlapped = (1 - first) * simulate.BACKWARD_SHARE
@@ -433,6 +441,21 @@ def test_defaults_are_the_strategies_own():
     for strategy, values in simulate.DEFAULTS.items():
         settings = dataclasses.asdict(make_settings(strategy, {}))
         assert {key: settings[key] for key in values} == values, strategy
+
+
+def test_buckets_are_cut_as_the_strategy_cuts_them():
+    from workbench.comm.averaging import assign_buckets
+    from workbench.strategies.allreduce import FIRST_BUCKET_BYTES
+
+    assert simulate.FIRST_BUCKET_BYTES == FIRST_BUCKET_BYTES
+    mib = simulate.MIB
+    assert simulate.bucket_sizes(7.5 * mib, 25 * mib) == [1 * mib, 6.5 * mib]  # the first capped, the rest one
+    assert simulate.bucket_sizes(2.5 * mib, 1 * mib) == [1 * mib, 1 * mib, 0.5 * mib]
+    assert simulate.bucket_sizes(0.5 * mib, 25 * mib) == [0.5 * mib]
+    # The strategy's own cut of 1 KiB parameters, against the model's of their total.
+    sizes = [1024] * 3000
+    cut = [sum(sizes[i] for i in group) for group in assign_buckets(sizes, 1 * mib, FIRST_BUCKET_BYTES)]
+    assert cut == simulate.bucket_sizes(sum(sizes), 1 * mib)
 
 
 def test_1024_workers_predict_quickly_and_finitely():

@@ -46,11 +46,12 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 class AllReduceSettings(StrategySettings):
     live = ("wire_dtype", "balance", "rebalance_every")
 
-    bucket_mb: float = 1.0
-    """Size cap of one all-reduce bucket in MB: smaller overlaps more, larger has less per-call cost. 1, not
-    DDP's 25 (made for NCCL's per-call cost): on gloo the gradients left for after backward are what a step
-    waits for (the GPT of the fidelity benchmark, balanced on a host at half a core: 15 ms exposed a step
-    instead of 20 with 4 MB buckets)."""
+    bucket_mb: float = 25.0
+    """Size cap of one all-reduce bucket in MB, after the first (at most 1 MB, as DDP's): smaller overlaps
+    more of the exchange with backward, larger pays gloo's per-call cost fewer times. 25, DDP's own
+    `bucket_cap_mb`: on the lab's host at half a core, the benchmark MLP's four 1 MB-capped buckets kept
+    `allreduce` at 0.91-0.93 of DDP (every gloo call is a meeting with the peer, which the slow host's CPU
+    quota delays), three at 0.95-0.99, two (this cap) at 1.02 (exploratory runs, 2026-12-05)."""
     wire_dtype: str = "float32"
     """What the gradients travel as: 'float32' (exact), 'fp16' or 'bf16' (half the bytes)."""
     balance: bool = False
