@@ -350,8 +350,9 @@ FIRST_BUCKET_BYTES = MIB  # the first bucket's cap in the workbench (and DDP): i
 
 
 def bucket_sizes(payload_bytes: float, bucket_bytes: float) -> list[float]:
-    """An all-reduce's buckets in the order they start, as `strategies/allreduce.py` cuts them: the first
-    of at most `FIRST_BUCKET_BYTES`, the others of at most `bucket_bytes`."""
+    """An all-reduce's buckets in the order they start, as `strategies/allreduce.py` cuts a gradient of
+    many small tensors (a bucket closes once it holds its cap): the first of `FIRST_BUCKET_BYTES`, the
+    others of `bucket_bytes`, the last of what is left."""
     sizes: list[float] = []
     left = payload_bytes
     while left > 0:

@@ -7,13 +7,36 @@ from workbench.comm.averaging import (WIRE_DTYPES, all_reduce_bytes_sent, assign
                                  scale_for_wire, unflatten_into)
 
 
-def test_buckets_follow_backward_order_and_respect_the_cap():
+def test_buckets_follow_backward_order_and_close_at_the_cap():
     assert assign_buckets([4, 4, 4, 4], cap_bytes=8) == [[3, 2], [1, 0]]
-    assert assign_buckets([4, 100, 4], cap_bytes=8) == [[2], [1], [0]]  # an oversized tensor stands alone
+    # As DDP: a bucket closes once it reaches its cap, so a large tensor joins the small ones before it.
+    assert assign_buckets([4, 100, 4], cap_bytes=8) == [[2, 1], [0]]
+    assert assign_buckets([100, 4, 4], cap_bytes=8) == [[2, 1], [0]]
     assert assign_buckets([1, 2, 3], cap_bytes=1000) == [[2, 1, 0]]
     # The first bucket smaller, as DDP's: its all-reduce starts while backward still runs.
     assert assign_buckets([4, 4, 4, 4], cap_bytes=1000, first_cap_bytes=4) == [[3], [2, 1, 0]]
-    assert assign_buckets([4, 4, 4, 4], cap_bytes=8, first_cap_bytes=100) == [[3, 2], [1, 0]]  # never over the cap
+    assert assign_buckets([4, 4, 4, 4], cap_bytes=8, first_cap_bytes=100) == [[3, 2], [1, 0]]  # the first's cap never over the others'
+
+
+def test_buckets_are_the_ones_pytorch_ddp_makes():
+    # DDP's own assignment (the function its reducer calls), on the benchmark MLP and on tensors of random
+    # sizes, in backward order, with DDP's caps: 1 MiB for the first bucket, then the given cap.
+    import random
+
+    import torch.distributed as dist
+
+    mib = 1024 * 1024
+    mlp = [784 * 1024, 1024, 1024 * 1024, 1024, 1024 * 10, 10]
+    rng = random.Random(0)
+    shapes = [mlp] + [[rng.choice([10, 1000, 60_000, 300_000, 2_000_000]) for _ in range(rng.randint(1, 40))]
+                      for _ in range(30)]
+    for numels in shapes:
+        for cap_mb in (1, 4, 25):
+            tensors = [torch.empty(n) for n in numels]
+            order = list(reversed(range(len(tensors))))
+            ddp, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], [mib, cap_mb * mib],
+                                                             [False] * len(tensors), order)
+            assert assign_buckets([4 * n for n in numels], cap_mb * mib, mib) == ddp, (numels, cap_mb)
 
 
 def test_relative_divergence():

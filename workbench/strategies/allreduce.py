@@ -47,11 +47,12 @@ class AllReduceSettings(StrategySettings):
     live = ("wire_dtype", "balance", "rebalance_every")
 
     bucket_mb: float = 25.0
-    """Size cap of one all-reduce bucket in MB, after the first (at most 1 MB, as DDP's): smaller overlaps
-    more of the exchange with backward, larger pays gloo's per-call cost fewer times. 25, DDP's own
-    `bucket_cap_mb`: on the lab's host at half a core, the benchmark MLP's four 1 MB-capped buckets kept
-    `allreduce` at 0.91-0.93 of DDP (every gloo call is a meeting with the peer, which the slow host's CPU
-    quota delays), three at 0.95-0.99, two (this cap) at 1.02 (exploratory runs, 2026-12-05)."""
+    """Size at which an all-reduce bucket closes, in MB, after the first (1 MB), as DDP's `bucket_cap_mb`
+    and cut as DDP cuts them (`assign_buckets`): smaller overlaps more of the exchange with backward,
+    larger pays gloo's per-call cost fewer times. 25, DDP's own: on the lab's host at half a core, the
+    benchmark MLP in four buckets (1 MB caps, each closed before it overflowed) kept `allreduce` at
+    0.91-0.93 of DDP; in DDP's two it ran at 0.94 and 1.04 of DDP there and 1.00 at 1 Gbit/s
+    (exploratory runs, 2026-12-05)."""
     wire_dtype: str = "float32"
     """What the gradients travel as: 'float32' (exact), 'fp16' or 'bf16' (half the bytes)."""
     balance: bool = False
