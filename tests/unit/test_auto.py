@@ -2,7 +2,8 @@
 learning rate that follows a switch, and hysteresis (no flapping, a bounded rate of switches)."""
 import pytest
 
-from workbench.run.auto_policy import Chooser, Window, fitting, measure
+from workbench.run.auto_policy import (STRAGGLER_GONE_ABOVE, Chooser, Window, fitting, measure,
+                                      waiting_for_the_last)
 
 EVEN = {0: 1000.0, 1: 1000.0}
 
@@ -480,6 +481,33 @@ def test_a_window_counts_each_workers_samples_and_the_others_wait_for_the_last_b
     assert measure(records, "easgd").waiting_s is None  # nobody waits for anyone there
 
 
+def test_under_overlapped_averaging_the_others_wait_only_what_blocks_their_sync():
+    """Average p64 overlapped, balanced: worker 2's period takes 10% longer than the others' (264 ms against
+    240). The others start each exchange about a period before it starts its own, so theirs are in flight
+    250 ms longer; what blocks their sync is the difference of the periods, 24 ms: no straggler. Without
+    overlap the sync blocks for all of it, and the same exchanges read as waiting."""
+    def records(overlap):
+        out = []
+        for step in range(64 * 3):
+            for worker, compute_s, in_flight, blocked in ((0, 0.00375, 0.266, 0.024), (1, 0.00375, 0.266, 0.024),
+                                                          (2, 0.004125, 0.016, 0.0)):
+                synced = (step + 1) % 64 == 0
+                out.append({"worker": worker, "step": step, "time": 100 + 0.004 * step, "samples": 32,
+                            "compute_s": compute_s, "comm_s": (blocked if overlap else in_flight) if synced else 0.0,
+                            "comm_total_s": in_flight if synced else None})
+        return out
+    settings = {"period": 64, "overlap": True, "balance": True}
+    overlapped = measure(records(overlap=True), "average")
+    assert overlapped.exchange_s == pytest.approx(0.016) and overlapped.waiting_s == pytest.approx(0.024)
+    assert overlapped.speed_spread > STRAGGLER_GONE_ABOVE and waiting_for_the_last(overlapped, settings) is None
+    assert fitting(overlapped, settings) is None  # balanced, and it holds: stay
+    # Read from the exchanges' whole time, the others waited 250 ms: 50% of a cycle, easgd.
+    blocking = measure(records(overlap=False), "average")
+    assert blocking.waiting_s == pytest.approx(0.25)
+    assert waiting_for_the_last(blocking, settings) == pytest.approx(0.25 / (64 * 0.00375 + 0.016 + 0.25))
+    assert fitting(blocking, settings)[0] == "easgd"
+
+
 def test_a_worker_whose_records_come_late_is_judged_on_the_exchanges_the_others_made_too():
     """Average p32 on a link that just fell: the sync at step 31 took 70 ms, the one at 63 about 2 s. Workers
     0 and 2 had step 31 judged a window ago; worker 1's records of it came late, with step 63's. Read beside
@@ -488,9 +516,10 @@ def test_a_worker_whose_records_come_late_is_judged_on_the_exchanges_the_others_
     for worker, late_s in ((0, 2.2), (1, 1.88), (2, 1.91)):
         for step in range(64):
             synced = step in (31, 63)
+            exchange_s = (0.07 if step == 31 else late_s) if synced else None  # outlasting the period: all blocked
             records.append({"worker": worker, "step": step, "time": 100 + 0.0022 * step + (2 if step > 31 else 0),
-                            "samples": 32, "compute_s": 0.0022, "comm_s": 0.0,
-                            "comm_total_s": (0.07 if step == 31 else late_s) if synced else None})
+                            "samples": 32, "compute_s": 0.0022, "comm_s": exchange_s or 0.0,
+                            "comm_total_s": exchange_s})
     judged = {0: 100 + 0.0022 * 31, 2: 100 + 0.0022 * 31}  # worker 1's step 31: not judged yet
     window_ = measure(records, "average", since=judged)
     assert window_.exchange_s == pytest.approx(1.88) and window_.waiting_s == pytest.approx(2.055 - 1.88)

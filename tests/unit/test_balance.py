@@ -1,6 +1,7 @@
 """Unit tests of the balanced cut of a global batch: the shares' arithmetic (`sharding.balanced_shares`),
 the global batch every rank's equal part is a slice of, and one rank's timing and agreement
 (`strategies/balance.py`) against a stand-in for the ranks' all-gather."""
+import statistics
 import threading
 
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.sharding import balanced_shares, batches, global_batches, shard_indices, share_range
-from workbench.strategies.balance import FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance, compute_model, fitted_per_step
+from workbench.strategies.balance import (FIRST_CUT_STEPS, REBALANCE_STEP, BatchBalance, compute_model, fitted_per_step,
+                                         typical)
 
 
 @given(n=st.integers(1, 400), world=st.integers(1, 6), batch=st.integers(1, 9), epoch=st.integers(0, 3),
@@ -83,11 +85,10 @@ def test_a_rank_times_its_compute_and_the_ranks_cut_anew_every_few_steps(monkeyp
     balance = BatchBalance(rank=0, world_size=2, batch_size=16, every=4)
     comm = Gather({1: [16 / 3.0, 0.0]}, rank=0)  # rank 1 took 3 s per 16 samples, no optimizer time
 
-    def step():  # 1 s of compute, 1 s of exchange, 1 s of optimizer step (the clock ticks a second a call)
+    def step():  # 1 s of compute (the clock ticks a second a call), and 1 s more of the step's own time
         start = balance.share()
         balance.computed()
-        balance.exchanged()
-        balance.stepped()
+        balance.timed(2.0)  # the optimizer step, the loop's work: what its cycle held beside compute and exchange
         return start
 
     for _ in range(3):  # the first step pays one-off costs and is not measured
@@ -123,11 +124,39 @@ def test_one_stalled_step_does_not_swing_the_cut(monkeypatch):
         balance.share()
         now[0] += compute_s
         balance.computed()
-        balance.exchanged()
-        balance.stepped()
+        balance.timed(compute_s)  # nothing beyond its compute
     assert balance.due and balance.rebalance(Gather({1: [16 / 3.0, 0.0]}, rank=0))
     # Rank 0's median step: 16 samples a second against rank 1's 16/3, a cut of 24/8 (a mean over the three,
     # 48 samples in 12 s, would have cut 14/18, the fast rank taking the smaller share).
+    assert balance.shares == [24, 8]
+
+
+def test_steps_in_bursts_under_a_cpu_quota_read_as_their_mean_and_a_lone_stall_is_left_out():
+    # A host under a CPU quota: some steps whole within it (1 s here), some across a throttled gap (10 s).
+    # Five of eleven throttled in one window, six in the next: the median is one mode, then the other.
+    first, second = [1.0] * 6 + [10.0] * 5, [1.0] * 5 + [10.0] * 6
+    assert (statistics.median(first), statistics.median(second)) == (1.0, 10.0)
+    # Trimmed (the shortest and the longest left out), each window reads near its mean (4.6 and 5.9 s).
+    assert typical(first) == pytest.approx(45 / 9) and typical(second) == pytest.approx(54 / 9)
+    assert typical([1.0] * 9 + [10.0]) == 1.0  # one stalled step in ten does not count
+    assert typical([1.0, 10.0, 1.0]) == 1.0  # fewer than five: the median
+    assert typical([2.0, 1.0, 3.0, 5.0, 4.0]) == pytest.approx(3.0)
+
+
+def test_what_a_step_takes_beyond_its_compute_counts_whatever_the_share(monkeypatch):
+    # Two ranks computing alike (16 samples a second); rank 1's host loses 1 s a step outside its compute (a
+    # throttled gap in the loop's own work, its optimizer step), which no share shrinks. Its own time tells
+    # it (`timed`), and the cut gives it less: equal steps at 1 + b1 / 16 = b0 / 16, b0 + b1 = 32.
+    now = [0.0]
+    monkeypatch.setattr("workbench.strategies.balance.time.perf_counter", lambda: now[0])
+    balance = BatchBalance(rank=1, world_size=2, batch_size=16, every=4)
+    for _ in range(4):  # the first is not measured
+        balance.share()
+        now[0] += 1.0
+        balance.computed()
+        balance.timed(2.0)
+    balance.timed(5.0)  # told twice for one step (no compute measured since): nothing more counts
+    assert balance.due and balance.rebalance(Gather({0: [16.0, 0.0]}, rank=1))
     assert balance.shares == [24, 8]
 
 
@@ -212,10 +241,10 @@ def _cuts_until_even(monkeypatch, fit: bool, slow_cuts: int = 0, mixed_steps: in
             for step in range(every if balance._measured else FIRST_CUT_STEPS):
                 speed = 0.6 if r == 1 and (cut <= 0 or (cut == 1 and step < mixed_steps)) else 1.0
                 balance.share()
-                clock.now += (0.43e-3 + 8.5e-6 * balance.shares[r]) / speed
+                compute_s = (0.43e-3 + 8.5e-6 * balance.shares[r]) / speed
+                clock.now += compute_s
                 balance.computed()
-                balance.exchanged()
-                balance.stepped()
+                balance.timed(compute_s)
             balance.rebalance(pair.comm(r))
             if cut > 0 and balance.shares[1] >= 0.8 * 48:
                 cuts[r] = cut

@@ -192,8 +192,6 @@ class AllReduce(Strategy):
         self.bytes_sent = all_reduce_bytes_sent(sent, self.world_size)
         # The whole exchange, hidden part included: what a peer may have to wait for (plane/deadline.py).
         self.exchange_s, self.launched = time.perf_counter() - (self.launched or started), None
-        if balancing:
-            self.balance.exchanged()
         return {"comm_s": time.perf_counter() - started}
 
     def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
@@ -201,12 +199,15 @@ class AllReduce(Strategy):
         if not self.buckets:
             return {}
         if self._balancing():
-            self.balance.stepped()
             started = time.perf_counter()
             if self.balance.due:
                 self.balance.rebalance(self.comm)
             return {"bytes_sent": self.bytes_sent, "exchange_s": self.exchange_s, "comm_s": time.perf_counter() - started}
         return {"bytes_sent": self.bytes_sent, "exchange_s": self.exchange_s}
+
+    def step_timed(self, context: TrainingContext, own_s: float) -> None:
+        if self._balancing():
+            self.balance.timed(own_s)
 
     def update_settings(self, changes: dict[str, Any]) -> None:
         super().update_settings(changes)

@@ -215,9 +215,11 @@ class Average(Strategy):
         if self._balancing() and self.balance.due:
             self.balance.rebalance(self.comm)
 
-    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
+    def step_timed(self, context: TrainingContext, own_s: float) -> None:
         if self._balancing():
-            self.balance.stepped()
+            self.balance.timed(own_s)
+
+    def after_step(self, context: TrainingContext, step: int) -> dict[str, Any]:
         self.steps_since_sync += 1
         if self.steps_since_sync < self.settings.period:
             return {"steps_since_sync": self.steps_since_sync}

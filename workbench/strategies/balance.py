@@ -2,9 +2,18 @@
 `allreduce` and `average`).
 
 Each rank times its own compute (from the start of a step to its gradients being ready) per sample, and
-what its step costs whatever its share (the optimizer step, from the exchange's end to `after_step`), each
-as the median over the steps measured: one stalled step (a pause of the process, a busy moment of the
-machine) would otherwise pull a mean over the few steps of a window, and the cut with it.
+what its step costs whatever its share: the rest of the step's own time (`timed`: its whole cycle, less
+what its record counts as communication and waiting), the optimizer step and the loop's own work around
+the step. On a host under a CPU quota a throttled gap lands in that rest as often as its CPU time says: on
+the lab (MLP, batch 256, a host at a fifth of a core) the straggler spent 1.7-2.6 ms a step outside its
+compute and exchange, the others 0.3-0.5, and a cut that counted only the optimizer step left the others
+waiting 40% of their steps for it. Each is
+a trimmed mean over the steps measured (`typical`): one stalled step (a pause of the process, a busy
+moment of the machine) would otherwise pull a mean over the few steps of a window, and the cut with it. Not
+the median: a host under a CPU quota (a cgroup's, a container's CPU limit) runs its steps in bursts, some
+whole within its quota and some across a throttled gap, and the median of such steps is one mode or the
+other from window to window. On the lab (MLP, a host at a fifth of a core over 10 ms periods) its share
+went 256, 303, 190, 215, 149, 200 from cut to cut, where the others waited for it throughout.
 A step's compute is not all per sample: a small model's forward and backward pay a cost per step whatever
 the batch (measured, MLP 64-256-256 on one thread: 0.47 ms at 4 samples, 0.71 ms at 32). A cut in
 proportion to samples per second would read the rank with the smaller share as slower per sample than it
@@ -44,12 +53,22 @@ FIRST_CUT_STEPS = 3
 # Two measurements fit a part per step only at shares this far apart (of the larger): closer, a few percent
 # of noise in a median step time swings the fitted slope by more than its size.
 FIT_SPREAD = 0.2
+TRIM = 0.1  # of the steps measured, left out at each end of the sorted times (`typical`), one at least from 5 steps
 KEPT = 4  # measurements kept per rank for the fit, and fits for their median: the newest and the ones before
+
+
+def typical(seconds: list[float]) -> float:
+    """What a step takes, from the steps measured: their mean with the TRIM shortest and longest left out
+    (one each from 5 steps on); the median of fewer."""
+    if len(seconds) < 5:
+        return statistics.median(seconds)
+    cut = max(1, int(len(seconds) * TRIM))
+    return statistics.fmean(sorted(seconds)[cut:-cut])
 
 
 def fitted_per_step(points: list[tuple[int, float]]) -> float | None:
     """A step's part that no share changes, counted in samples of the same step (seconds a step whatever
-    the share over seconds a sample), from a rank's measurements (share, median compute seconds a step),
+    the share over seconds a sample), from a rank's measurements (share, `typical` compute seconds a step),
     oldest first: the newest with the latest one at a share FIT_SPREAD apart give a line. None where there
     is no such pair, or the line says that more samples take no longer or that a step takes less than
     nothing (the speed changed between the two, or noise)."""
@@ -63,7 +82,7 @@ def fitted_per_step(points: list[tuple[int, float]]) -> float | None:
 
 
 def compute_model(share: int, seconds: float, per_step_samples: float) -> tuple[float, float]:
-    """A rank's compute speed from its newest measurement (`share` samples in a median `seconds` a step) and
+    """A rank's compute speed from its newest measurement (`share` samples in a `typical` `seconds` a step) and
     the part of a step no share changes, in samples (`fitted_per_step`; 0 where none is known): (samples
     per second, seconds a step whatever the share)."""
     per_sample = seconds / (per_step_samples + share)
@@ -79,10 +98,10 @@ class BatchBalance:
         self.shares = [batch_size] * world_size
         self._started: float | None = None
         self._compute_s: list[float] = []  # each step's compute measured since the last rebalance, at this share
-        self._points: list[tuple[int, float]] = []  # (share, median compute) of the last KEPT cuts' measurements
+        self._points: list[tuple[int, float]] = []  # (share, typical compute) of the last KEPT cuts' measurements
         self._per_step: list[float] = []  # the last KEPT fits of a step's part no share changes, in samples
-        self._fixed_s: list[float] = []  # each step's optimizer step, from the exchange's end to `after_step`
-        self._free_at: float | None = None
+        self._fixed_s: list[float] = []  # each step's own time beyond its compute (`timed`)
+        self._last_compute: float | None = None  # the step's compute, until its whole own time is known
         self._steps = 0  # measured since the last rebalance: the same count on every rank, whatever it timed
         self._measured = False  # no rebalance yet: the first takes the whole step
         # The first step after a start (or a reset) is not measured: it pays one-off costs (allocation, the
@@ -107,20 +126,16 @@ class BatchBalance:
             now = time.perf_counter()
             if now > self._started:
                 self._compute_s.append(now - self._started)
-            self._started, self._free_at = None, now
+                self._last_compute = now - self._started
+            self._started = None
             self._steps += 1
 
-    def exchanged(self) -> None:
-        """The step's exchange is done (under allreduce, after the gradients' all-reduce): the optimizer
-        step comes next."""
-        if self._free_at is not None:
-            self._free_at = time.perf_counter()
-
-    def stepped(self) -> None:
-        """At `after_step`: the optimizer has stepped, in a time no share changes."""
-        if self._free_at is not None:
-            self._fixed_s.append(time.perf_counter() - self._free_at)
-            self._free_at = None
+    def timed(self, own_s: float) -> None:
+        """The measured step's own time (`Strategy.step_timed`): what it took beyond its compute counts as
+        this rank's time a step whatever its share."""
+        if self._last_compute is not None:
+            self._fixed_s.append(max(0.0, own_s - self._last_compute))
+            self._last_compute = None
 
     @property
     def due(self) -> bool:
@@ -133,13 +148,13 @@ class BatchBalance:
         changed."""
         own = [0.0, 0.0]
         if self._compute_s:
-            share, seconds = self.shares[self.rank], statistics.median(self._compute_s)
+            share, seconds = self.shares[self.rank], typical(self._compute_s)
             self._points = (self._points + [(share, seconds)])[-KEPT:]
             fitted = fitted_per_step(self._points)
             if fitted is not None:
                 self._per_step = (self._per_step + [fitted])[-KEPT:]
             rate, per_step = compute_model(share, seconds, statistics.median(self._per_step) if self._per_step else 0.0)
-            own = [rate, per_step + (statistics.median(self._fixed_s) if self._fixed_s else 0.0)]
+            own = [rate, per_step + (typical(self._fixed_s) if self._fixed_s else 0.0)]
         measured = [(float(rate), float(fixed)) for rate, fixed in comm.all_gather_json(own)]
         self._compute_s, self._fixed_s, self._steps = [], [], 0
         if min(rate for rate, _ in measured) <= 0:  # a rank measured nothing yet (it joined): keep the cut
@@ -160,4 +175,4 @@ class BatchBalance:
         """Equal shares again (balance turned off): the ranks' parts of the batch as without it."""
         self.shares = [self.batch_size] * self.world_size
         self._compute_s, self._fixed_s, self._points, self._per_step, self._steps = [], [], [], [], 0
-        self._started, self._free_at, self._measured, self._warm = None, None, False, False
+        self._started, self._last_compute, self._measured, self._warm = None, None, False, False

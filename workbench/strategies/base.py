@@ -133,6 +133,11 @@ class Strategy:
         """Called after each optimizer step; returns metrics such as `comm_s` to merge into the record."""
         return {}
 
+    def step_timed(self, context: TrainingContext, own_s: float) -> None:
+        """After a step, once its whole cycle is known: its own time, the cycle less what its record counts as
+        communication and waiting (the control point's, an exchange's). What a balanced cut measures a
+        worker's speed by (`strategies/balance.py`); steps followed by an evaluation are not told."""
+
     def settle(self, context: TrainingContext) -> float:
         """Before the ranks exchange control messages on the process group: wait for whatever this
         strategy has in flight on it (applying nothing), so those small messages do not queue behind it

@@ -207,6 +207,9 @@ class _Loop:
         self.epoch = 0
         self.recent_step_s = 0.0  # moving average of step time, for the control interval
         self._cpu_mark = time.process_time()  # the process's CPU time at the previous step record
+        # The last step's cycle start and what its record counts as communication and waiting, until the next
+        # step starts and its own time is known (`Strategy.step_timed`); None after an evaluation.
+        self._last_cycle: tuple[float, float] | None = None
         self._gpu = GpuGauge()
         self.control = ControlPoint(self, poller, agreement_s)
         self.checkpoints = LoopCheckpoints(self)
@@ -241,6 +244,7 @@ class _Loop:
         try:
             for epoch, row in self._batches(shard, evaluation, loss_fn, device):
                 started = time.perf_counter()
+                self._time_last_step(context, started)
                 while (action := self.control.before_step()) is not None:  # pause, stop, lr, settings: agreed
                     self._carry_out(action)  # a switch or a checkpoint, at the step the ranks agreed on
                 if self.step >= task.total_steps:
@@ -325,7 +329,16 @@ class _Loop:
         if device.type == "cuda":
             record.update(self._gpu.sample(device))
         self.sender.record(record)
+        self._last_cycle = (started - wait_s, record["comm_s"] + record["wait_s"])
         self.step += 1
+
+    def _time_last_step(self, context: TrainingContext, now: float) -> None:
+        """Tell the strategy the last step's own time: from its cycle's start (its control point's) to this
+        one's, less its communication and waiting."""
+        if self._last_cycle is not None:
+            cycle_started, waited_s = self._last_cycle
+            self.strategy.step_timed(context, now - cycle_started - waited_s)
+            self._last_cycle = None
 
     def _carry_out(self, action: Action) -> None:
         """What the ranks agreed on at the control point: switch strategy, or take a checkpoint."""
@@ -353,6 +366,7 @@ class _Loop:
 
     def _evaluate(self, model: torch.nn.Module, evaluation: Any, loss_fn: Any, device: torch.device,
                   epoch: int, final: bool = False) -> None:
+        self._last_cycle = None  # the step before is not timed: its cycle holds the evaluation
         started = time.perf_counter()
         result = evaluate(model, evaluation, loss_fn, device)
         # How long the other ranks wait for rank 0 at their next collective (plane/deadline.py).
