@@ -178,7 +178,8 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
     waiting = None
     if strategy in SYNCHRONOUS and exchange is not None:
         last = min(medians, key=medians.get)
-        blocked = {w: statistics.median(r.get("comm_s", 0.0) for r in steps) for w, steps in landed.items()}
+        blocked = medians if field == "comm_s" else {  # under allreduce the exchange is all blocking
+            w: statistics.median(r.get("comm_s", 0.0) for r in steps) for w, steps in landed.items()}
         waiting = max(0.0, statistics.median(c for w, c in blocked.items() if w != last) - blocked[last])
     return Window(strategy, compute, rates, exchange, samples, waiting)
 
