@@ -51,24 +51,24 @@ def _loop(monkeypatch, clock: list[float]):
     loop.task = types.SimpleNamespace(job=job, rank=0, step_delay_s=0.0, sample_delay_s=0.0)
     loop.strategy, loop.forward, loop.step, loop.recent_step_s = _Strategy(), model, 0, 0.0
     loop._cpu_mark, loop._last_cycle = time.process_time(), None
-    records = []
-    loop.sender = types.SimpleNamespace(record=records.append)
+    records, events = [], []
+    loop.sender = types.SimpleNamespace(record=records.append, event=lambda kind, **fields: events.append(fields))
     loop.control = types.SimpleNamespace(take_settled_s=lambda: 0.03)  # waited at the control point, for an exchange
     loop.apply_lr = lambda: None
     context = types.SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    return loop, context, records
+    return loop, context, records, events
 
 
 def test_a_steps_record_splits_its_time_and_the_strategy_is_told_its_own_time_at_the_next_start(monkeypatch):
     # The step starts at 100.0 after 0.05 s at its control point (0.03 of it an exchange's settling) and
     # ends at 100.4: 0.15 s of exchange and 0.02 s of a strategy's wait are reported by the strategy.
-    loop, context, records = _loop(monkeypatch, clock=[100.0, 100.4])
+    loop, context, records, _ = _loop(monkeypatch, clock=[100.0, 100.4])
     loop._train_step(context, torch.nn.functional.mse_loss, _Shard(), torch.arange(8), 0, 0.05, torch.device("cpu"))
     [record] = records
     assert record["compute_s"] == pytest.approx(0.4 - 0.15 - 0.02)
     assert record["comm_s"] == pytest.approx(0.15 + 0.03)  # the settling counts as communication
     assert record["wait_s"] == pytest.approx(0.05 - 0.03 + 0.02)  # and not also as waiting
-    assert record["bytes_sent"] == 123 and "samples" in record and record["samples"] == 4
+    assert record["bytes_sent"] == 123 and record["samples"] == 4
     assert loop.step == 1 and loop.strategy.timed == []  # not told before its whole cycle is known
 
     # The next step starts at 100.5: the cycle ran from its control point (99.95) to here, 0.55 s, of which
@@ -80,8 +80,13 @@ def test_a_steps_record_splits_its_time_and_the_strategy_is_told_its_own_time_at
 
 
 def test_a_step_followed_by_an_evaluation_is_not_timed(monkeypatch):
-    loop, context, _ = _loop(monkeypatch, clock=[10.0, 10.2])
+    # The step runs 10.0-10.2, rank 0 evaluates 10.3-11.0 (the loop's own `_evaluate`), the next step starts
+    # at 11.1: that cycle holds the evaluation, which is no measure of the worker's training speed.
+    loop, context, _, events = _loop(monkeypatch, clock=[10.0, 10.2, 10.3, 11.0])
+    monkeypatch.setattr(loop_module, "evaluate", lambda model, data, loss_fn, device: {"loss": 0.5})
     loop._train_step(context, torch.nn.functional.mse_loss, _Shard(), torch.arange(8), 0, 0.0, torch.device("cpu"))
-    loop._last_cycle = None  # what `_evaluate` does first: that cycle holds the evaluation
-    loop._time_last_step(context, 12.0)
+    loop._evaluate(loop.forward, None, torch.nn.functional.mse_loss, torch.device("cpu"), 0)
+    [event] = events
+    assert event["eval_s"] == pytest.approx(0.7) and event["step"] == 1 and event["loss"] == 0.5
+    loop._time_last_step(context, 11.1)
     assert loop.strategy.timed == []
