@@ -13,7 +13,7 @@ from typing import Any
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.plane import kinds
-from workbench.run.auto_policy import Chooser, measure
+from workbench.run.auto_policy import SYNCHRONOUS, Chooser, measure
 from workbench.strategies import get_strategy
 
 AUTO = "auto"
@@ -100,15 +100,26 @@ class AutoPilot:
     def _judge(self, run: Any, now: float, first: list[dict[str, Any]] | None) -> tuple[Any, dict[str, Any] | None]:
         """Measure the window due and let the chooser judge it: its choice (or None) and the event that
         tells it."""
-        self._next, self._judged_at = now + self.window_s, now
         window, newest = (measure(first, run.strategy), _newest(first)) if first is not None else \
             self._measure(run, self.window_s)
         if window is None or window.exchange_s is None:
             wide, wide_newest = self._measure(run, max(self.window_s, WIDE_WINDOW_S))
             if wide is not None:
                 window, newest = wide, wide_newest
+        # Synchronous, no exchange new since the last judgement: a slow link's next one is still on its way,
+        # and the link is what such a window would be judged on. Checked again at each tick until it lands,
+        # or judged on the steps alone once WIDE_WINDOW_S have passed (a straggler shows there too). Judged
+        # at once, such windows took their turns between the slow readings: on the lab at 2 Mbit/s (records
+        # come late behind the exchange), the move came on the sixth window after the fall, three of them
+        # empty, where other runs took three.
+        if (first is None and run.strategy in SYNCHRONOUS and window is not None and window.exchange_s is None
+                and now - self._judged_at < WIDE_WINDOW_S):
+            return None, None
+        self._next, self._judged_at = now + self.window_s, now
         if window is not None and window.exchange_s is not None:
-            self._since = newest  # the exchanges judged now are not evidence again
+            # The exchanges judged now are not evidence again; a worker without records in the window (under
+            # an asynchronous strategy) keeps its mark, or its exchanges judged before would count again.
+            self._since = {**self._since, **newest}
         choice = self.chooser.observe(window, run.settings, now)
         self.judged, self.last_window = self.judged + (window is not None), window
         if window is not None and log.isEnabledFor(logging.DEBUG):  # what each judgement saw, to tune by
@@ -164,7 +175,7 @@ class AutoPilot:
         workers = len(run.worker_addresses)
         records = [r for r in run.table.recent_steps(seconds) if r.get("strategy") == run.strategy
                    and r["worker"] < workers and r["time"] > self._applied_at]
-        return measure(records, run.strategy, self._since), _newest(records)
+        return measure(records, run.strategy, self._since, workers), _newest(records)
 
     def turn_on(self, run: Any) -> None:
         """Choose again from now on, judging afresh (what was measured before the pin is history)."""
