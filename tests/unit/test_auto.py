@@ -2,7 +2,8 @@
 learning rate that follows a switch, and hysteresis (no flapping, a bounded rate of switches)."""
 import pytest
 
-from workbench.run.auto_policy import (STRAGGLER_GONE_ABOVE, Chooser, Window, fitting, measure,
+from workbench.run.auto_policy import (PACED_ABOVE, STRAGGLER_BELOW, STRAGGLER_GONE_ABOVE, WAIT_ABOVE, Chooser, Window,
+                                      fitting, measure,
                                       waiting_for_the_last)
 
 EVEN = {0: 1000.0, 1: 1000.0}
@@ -637,3 +638,64 @@ def test_a_synchronous_window_without_a_new_exchange_waits_for_one_before_it_is_
     steps(run, 10.0, 12.5)
     pilot.tick(run, 12.0)
     assert pilot.judged == 2 and pilot.last_window.exchange_s is None
+
+
+# Balanced `allreduce` on the lab (network benchmark's MLP 784-1024-1024-10, batch 128 a worker, host 2 at half a
+# core over 100 ms): the steps even (about 30 ms of compute each), host 2 at 47% of host 1's speed per sample,
+# 12.5 ms of exposed exchange (0.41 steps: the link's own rule keeps allreduce) and 1 ms of waiting a step, 42%
+# of the cycle not computing by the step records.
+PACED = {"compute": {0: 0.0305, 1: 0.0305}, "rates": {0: 3094.0, 1: 1768.0}, "samples": {0: 174.0, 1: 82.0},
+         "exchange": 0.0125, "waiting": 0.001, "idle": 0.42}
+
+
+def paced_window(idle=PACED["idle"], samples=None, compute=None, exchange=None, strategy="allreduce"):
+    return Window(strategy, compute or PACED["compute"], PACED["rates"], PACED["exchange"] if exchange is None else exchange,
+                  samples or PACED["samples"], PACED["waiting"], idle)
+
+
+def test_a_balanced_run_still_paced_by_a_straggler_leaves_for_elastic_averaging():
+    window_ = paced_window()
+    # Not a straggler by compute per step, nor by waiting: the cut evened the steps.
+    assert window_.speed_spread == 1.0 and window_.waiting_share() < WAIT_ABOVE
+    assert window_.per_sample_spread() == pytest.approx(82 / 174)
+    strategy, settings, reason = fitting(window_, {"balance": True})
+    assert (strategy, settings) == ("easgd", {"period": 16})
+    assert ("worker 1 computes at 47% of the others' speed per sample, and the balanced steps spend 42% of their "
+            "time exchanging and waiting: easgd, period 16") in reason
+    # Under a third of the cycle not computing: the balanced cut stays (the GPT of the fidelity benchmark on
+    # the same hosts: 0.26 s of compute, 10 ms exchanging and 3 ms waiting a step, 6%).
+    gpt = paced_window(idle=0.06, compute={0: 0.260, 1: 0.261}, samples={0: 44.0, 1: 20.0}, exchange=0.010)
+    assert gpt.per_sample_spread() < STRAGGLER_BELOW and fitting(gpt, {"balance": True}) is None
+    assert fitting(paced_window(idle=PACED_ABOVE - 0.01), {"balance": True}) is None
+    # Even hosts that spend as much exchanging: the link's matter (allreduce under half a step stays), not a
+    # straggler's; and not balanced: this rule does not apply (the cut comes first, `straggling`).
+    even = paced_window(samples={0: 128.0, 1: 128.0})
+    assert even.per_sample_spread() == 1.0 and fitting(even, {"balance": True}) is None
+    assert fitting(window_, {"balance": False}) is None
+    # Under balanced averaging the same: its cycle is its period's steps and the sync.
+    assert fitting(paced_window(strategy="average"), {"period": 16, "balance": True})[0] == "easgd"
+
+
+def test_a_window_measures_the_workers_share_of_their_cycle_not_computing():
+    # Worker 0: 20 ms computing, 10 exchanging, 0 waiting (1/3); worker 1: 20, 25 and 5 (3/5); the median.
+    records = [{"worker": w, "step": t, "time": t * 0.05, "samples": 32, "compute_s": 0.02,
+                "comm_s": 0.01 if w == 0 else 0.025, "wait_s": 0.0 if w == 0 else 0.005}
+               for t in range(5) for w in (0, 1)]
+    assert measure(records, "allreduce").idle_share == pytest.approx((1 / 3 + 3 / 5) / 2)
+    for record in records:
+        del record["wait_s"]  # records without it (older workers): exchanging only
+    assert measure(records, "allreduce").idle_share == pytest.approx((1 / 3 + 0.025 / 0.045) / 2)
+
+
+def test_the_idle_share_is_judged_by_the_mean_of_the_recent_windows():
+    """Window by window the share moves by a tenth with the slow host's bursts (lab, network benchmark: the
+    exposed exchange 0.26-0.62 steps); judged one at a time, a window under the threshold began the count again."""
+    chooser = past_its_first_choice(Chooser(workers=2))
+    balanced = {"balance": True}
+    readings = [0.38, 0.31, 0.37, 0.32, 0.36]
+    chosen = [chooser.observe(paced_window(idle=idle), balanced, 100 + i) for i, idle in enumerate(readings)]
+    # Means 0.38, 0.345, 0.353: three in a row over a third.
+    assert chosen[:2] == [None, None] and chosen[2].strategy == "easgd", chosen
+    chooser = past_its_first_choice(Chooser(workers=2))
+    assert all(chooser.observe(paced_window(idle=idle), balanced, 100 + i) is None
+               for i, idle in enumerate([0.30, 0.36, 0.28, 0.31, 0.33, 0.30]))

@@ -38,6 +38,16 @@ STRAGGLER_MIN_PERIOD = 16
 # at a compute spread of 0.59-0.61 (so `auto` stayed on allreduce, 4,467 samples/s, in one run of two),
 # balanced 0.41 (4,887), where easgd p16 made 10,055; unlimited, with no slow host, 0.02.
 WAIT_ABOVE = 0.3
+# Balanced, the steps end together, but a straggler (slower per sample) still takes its part in every
+# exchange at its own CPU's speed, which no cut of the batch shrinks. Where the workers then spend this share
+# of their cycle or more exchanging and waiting, elastic averaging: nobody waits, each at its own speed. A
+# third is the cost at which a link alone moves `allreduce` to averaging (an exchange of AVERAGE_ABOVE steps).
+# Measured on the lab (MLP 784-1024-1024-10, host 2 at half a core over 100 ms): balanced `allreduce` spent
+# 40-45% of its steps so (4,862 samples/s) where easgd p16 made 9,155; the exposed exchange alone read
+# 0.26-0.62 steps, window by window, on both sides of the link's threshold, and `auto` stayed balanced
+# (network benchmark, every repeat). The fidelity benchmark's GPT on such hosts (3.4 MB exchanged every
+# 0.27 s step, host 2 at half a core over 10 ms) spends 4-7%: it stays balanced.
+PACED_ABOVE = 1 / 3
 # What a link too slow for any averaging gets: the same elastic averaging, period 16. Where even bf16 at
 # MAX_PERIOD cannot hide an exchange, a synchronous strategy waits on the link at every exchange; under
 # easgd only the workers behind the slow link wait, each on its own, and the center keeps moving with the
@@ -80,6 +90,9 @@ class Window:
     # Synchronous: what the workers that wait for the last arrival wait at an exchange beyond the exchange
     # itself (the median over them of their median exchange, less the least one's); None otherwise.
     waiting_s: float | None = None
+    # The workers' share of their time spent exchanging or waiting, not computing (the median worker's, over
+    # the window's steps); None where not measured.
+    idle_share: float | None = None
 
     @property
     def exchange_in_steps(self) -> float | None:
@@ -107,6 +120,14 @@ class Window:
         """Each worker's compute per sample (per step where the window has no sample counts): under a
         balanced cut the steps are even by design, and only this tells the slow host."""
         return {w: t / self.samples[w] if self.samples.get(w) else t for w, t in self.compute_s.items()}
+
+    def per_sample_spread(self) -> float:
+        """`speed_spread` by compute per sample: under a balanced cut the steps are even by design, and the
+        straggler shows only here."""
+        per_sample = self.per_sample()
+        if len(per_sample) < 2:
+            return 1.0
+        return Window(self.strategy, per_sample, {}, None).speed_spread
 
     def waiting_share(self, period: int = 1) -> float | None:
         """The share of an exchange's cycle (`period` steps of compute and the exchange) that the workers
@@ -189,7 +210,10 @@ def measure(records: list[dict[str, Any]], strategy: str, since: dict[int, float
         blocked = medians if field == "comm_s" else {  # under allreduce the exchange is all blocking
             w: statistics.median(r.get("comm_s", 0.0) for r in steps) for w, steps in landed.items()}
         waiting = max(0.0, statistics.median(c for w, c in blocked.items() if w != last) - blocked[last])
-    return Window(strategy, compute, rates, exchange, samples, waiting)
+    idle = [sum(r.get("comm_s", 0.0) + r.get("wait_s", 0.0) for r in steps) /
+            sum(r["compute_s"] + r.get("comm_s", 0.0) + r.get("wait_s", 0.0) for r in steps)
+            for steps in by_worker.values() if sum(r["compute_s"] for r in steps) > 0]
+    return Window(strategy, compute, rates, exchange, samples, waiting, statistics.median(idle) if idle else None)
 
 
 def _same_exchanges(landed: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
@@ -243,7 +267,8 @@ def _lr_factor(current: str, chosen: str, workers: int) -> float:
 
 
 def fitting(window: Window, settings: dict[str, Any], spread: float | None = None,
-            for_link: bool = False, can_balance: bool = True) -> tuple[str, dict[str, Any], str] | None:
+            for_link: bool = False, can_balance: bool = True,
+            idle: float | None = None) -> tuple[str, dict[str, Any], str] | None:
     """The strategy and settings the window calls for, with the reason; None: the current one fits.
     `spread`: the speed spread to judge by (default the window's; the chooser passes a smoothed one).
     `for_link`: the run is asynchronous because the link was too slow, not for a straggler: the way back
@@ -251,8 +276,11 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
     CPU and reads slower than the others (measured on the lab, three hosts at half a core: 2.5-3.5 ms a
     step against 1.8-2.0, a spread of 0.6-0.7 for a minute after the link came back, never "even"): the
     spread then reads the strategy, not the hosts. A straggler that is real shows once synchronous again.
-    `can_balance`: every worker indexes the whole dataset, so `allreduce` can share a batch out by speed."""
+    `can_balance`: every worker indexes the whole dataset, so `allreduce` can share a batch out by speed.
+    `idle`: the share of their cycle the workers spend exchanging and waiting (default the window's; the
+    chooser passes the mean over its recent windows)."""
     spread = window.speed_spread if spread is None else spread
+    idle = window.idle_share if idle is None else idle
     steps = window.exchange_in_steps
     current, asynchronous = window.strategy, window.strategy not in SYNCHRONOUS
     # The link first: no cut of the batch hides an exchange that bf16 at MAX_PERIOD cannot, and elastic
@@ -278,6 +306,12 @@ def fitting(window: Window, settings: dict[str, Any], spread: float | None = Non
         return (STRAGGLER_STRATEGY, {"period": period},
                 f"{slow}: {STRAGGLER_STRATEGY}, period {period} "
                 f"(nobody waits: each worker exchanges with the center on its own)")
+    if paced_by_a_straggler(window, settings, idle):
+        period = max(STRAGGLER_MIN_PERIOD, _period(steps)) if steps is not None else STRAGGLER_MIN_PERIOD
+        return (STRAGGLER_STRATEGY, {"period": period},
+                f"worker {window.straggler_reference()[0]} computes at {window.per_sample_spread():.0%} of the "
+                f"others' speed per sample, and the balanced steps spend {idle:.0%} of their time exchanging and "
+                f"waiting: {STRAGGLER_STRATEGY}, period {period} (nobody waits: each worker exchanges with the center on its own)")
     if asynchronous and spread < STRAGGLER_GONE_ABOVE and not for_link:
         return None  # still uneven: stay asynchronous
     if steps is None:
@@ -319,6 +353,13 @@ def straggling(window: Window, settings: dict[str, Any], spread: float | None) -
     others' speed, or the others waiting for the last one WAIT_ABOVE of their steps or more."""
     return window.strategy in SYNCHRONOUS and (
         (spread is not None and spread < STRAGGLER_BELOW) or waiting_for_the_last(window, settings) is not None)
+
+
+def paced_by_a_straggler(window: Window, settings: dict[str, Any], idle: float | None) -> bool:
+    """Whether a balanced synchronous window still has a straggler by compute per sample, and its workers
+    spend PACED_ABOVE of their cycle or more exchanging and waiting (`idle`)."""
+    return (window.strategy in SYNCHRONOUS and bool(settings.get("balance")) and idle is not None
+            and idle >= PACED_ABOVE and window.per_sample_spread() < STRAGGLER_BELOW)
 
 
 def waiting_for_the_last(window: Window, settings: dict[str, Any]) -> float | None:
@@ -374,6 +415,7 @@ class Chooser:
         self._last_choice_at = -math.inf  # none yet: the next choice is the run's first
         self.spread: float | None = None  # what the last decision was judged by
         self._recent: list[dict[int, float]] = []  # compute times per worker, the last RECENT windows
+        self._recent_idle: list[float] = []  # the workers' idle shares, the last RECENT windows
         self.straggler: tuple[int, float] | None = None  # rank, and the others' compute time at the time
         self.for_link = False  # asynchronous because the link was too slow (`fitting`)
         self.can_balance = True  # the run's data can be shared out by speed (`fitting`)
@@ -386,11 +428,16 @@ class Chooser:
     def observe(self, window: Window | None, settings: dict[str, Any], now: float) -> Choice | None:
         if window is not None:
             self._recent = (self._recent + [window.compute_s])[-self.RECENT:]
+            if window.idle_share is not None:
+                self._recent_idle = (self._recent_idle + [window.idle_share])[-self.RECENT:]
             # Slowing down counts at once (a straggler must not be waited for); a recovery is judged
             # over the recent windows (`recovered_spread`).
             asynchronous = window.strategy not in SYNCHRONOUS
             self.spread = recovered_spread(self._recent, self.straggler) if asynchronous else window.speed_spread
-        found = fitting(window, settings, self.spread, self.for_link, self.can_balance) if window is not None else None
+        # The idle share by the mean of the recent windows: one window's reading moves by a tenth with the
+        # slow host's bursts, and near PACED_ABOVE a window below it began the count again.
+        idle = statistics.fmean(self._recent_idle) if self._recent_idle else None
+        found = fitting(window, settings, self.spread, self.for_link, self.can_balance, idle) if window is not None else None
         if found is None and (window is None or window.exchange_s is None):
             # Too few steps or no exchange landed in the window (a slow link, a switch being made):
             # neither for nor against a candidate.
@@ -431,5 +478,5 @@ class Chooser:
             self.straggler = None if self.for_link else window.straggler_reference()
         elif strategy in SYNCHRONOUS:
             self.straggler, self.for_link = None, False
-        self._recent = []  # a new strategy: measure afresh
+        self._recent, self._recent_idle = [], []  # a new strategy (or setting): measure afresh
         return Choice(strategy, chosen, _lr_factor(window.strategy, strategy, self.workers), reason)
