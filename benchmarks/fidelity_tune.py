@@ -17,10 +17,10 @@ tune their baselines. A rate at either end of the sweep is flagged: the best may
   `tuned_sync_gap_p64_outer`, `best_lr_at_edge` (configurations whose best rate ends the sweep).
 
 The speeds on thin links (`fidelity.py --thin`) do not depend on the rate: its retentions stand, and its
-gaps are read again here. About 35 minutes on the 2-core VM (each run about 50 s); run it where nothing
+gaps are read again here. About 45 minutes on the 2-core VM (each run about 50 s); run it where nothing
 else runs.
 
-    python benchmarks/fidelity_tune.py [--rates 0.0015,0.003,0.006,0.012,0.024] [--seeds 3] [--steps 256]
+    python benchmarks/fidelity_tune.py [--rates 0.00075,0.0015,0.003,0.006,0.012,0.024] [--seeds 3] [--steps 256]
                                        [--only ddp,sparse] [--out benchmarks/results/cpu-2core/fidelity-tune.json]
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 import fidelity  # noqa: E402
 import resultfile  # noqa: E402
 
-RATES = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)  # fidelity.LR and powers of two about it
+RATES = (7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)  # fidelity.LR and powers of two about it
 # The synchronous averaging configurations whose gap to DDP the docs quote: their losses repeat to the last
 # digit on the same code and seed (the timing-dependent ones, async and auto, would need many seeds a rate).
 TUNED = ("average p16", "average p64 outer", "average p16 sparse", "average p4 sparse",
