@@ -23,6 +23,9 @@ class Benchmark:
     columns: tuple[str, ...] = ()  # the cells' columns shown on the page (dotted for nested ones)
     rows: str = "cells"  # the result's key whose rows the page shows (a list, or a mapping name -> row)
     needs: str = ""  # "lab" (root, ip, tc) or "gpu"
+    # Other scripts under benchmarks/ whose code the result measures (a job or a measuring loop it takes from
+    # them): `python -m benchmarks check` counts their changes as it counts its own script's.
+    measures: tuple[str, ...] = ()
 
 
 BENCHMARKS = (
@@ -63,24 +66,25 @@ BENCHMARKS = (
               headline=("best_at_10mbit", "best_retention_10mbit", "sync_gap_10mbit", "sparse_bytes_ratio",
                         "targets_met_10mbit")),
     Benchmark("fidelity-tune", "Quality at each one's own learning rate: DDP and the averaging configurations swept",
-              "fidelity_tune.py", suites=("lab",), needs="lab", rows="tuned",
+              "fidelity_tune.py", suites=("lab",), needs="lab", rows="tuned", measures=("fidelity.py",),
               headline=("ddp_best_lr", "ddp_loss_best_lr", "ddp_default_lr_excess", "tuned_best",
                         "tuned_best_gap_vs_ddp", "tuned_sync_gap_p64_outer", "best_lr_at_edge"),
               quick_args=("--rates", "0.003,0.012", "--seeds", "1", "--steps", "16", "--only", "p4 sparse"),
               columns=("best_lr", "seeds_at_best_lr", "loss_best_lr", "gap_vs_tuned_ddp", "loss_default_lr",
                        "gap_at_default_lr", "best_lr_at_edge")),
     Benchmark("simulator", "The capacity planner's simulator against the lab: every strategy at 2, 3 and 4 hosts",
-              "simulator.py", suites=("lab",), needs="lab",
+              "simulator.py", suites=("lab",), needs="lab", measures=("network.py",),
               headline=("max_throughput_error", "max_throughput_error_at", "median_throughput_error",
                         "points_within_15pct", "max_staleness_error"),
               quick_args=("--quick",)),
     Benchmark("chaos", "Chaos: the real workload under auto while faults come at random times",
-              "chaos.py", suites=("lab",), needs="lab",
+              "chaos.py", suites=("lab",), needs="lab", measures=("fidelity.py",),
               headline=("faults_injected", "runs_finished", "records_lost", "median_s_lost_per_fault",
                         "worst_s_lost_per_fault", "held_out_loss_vs_undisturbed"),
               rows="faults", columns=("kind", "host", "cpu", "held_s", "pause_s", "rewound_steps", "lost_s")),
     Benchmark("chaos-recovery", "Recovery from a lost worker, phase by phase, under every strategy",
               "chaos.py", args=("--recovery", "--repeats", "2"), suites=("lab",), needs="lab",
+              measures=("fidelity.py",),
               headline=("recovery_worst_s", "recovery_median_s", "recovery_target_met", "recoveries_over_target",
                         "recovery_worst_s_last_rank_killed", "recovery_worst_s_first_rank_killed"),
               columns=("place", "strategy", "killed_rank", "repeat", "status", "checkpoint", "total_s", "phases_s.detected",
@@ -97,7 +101,7 @@ BENCHMARKS = (
               rows="rows", columns=("workers", "group", "messages_per_s", "records_lost", "median_delay_s",
                                     "p99_delay_s", "cores.scheduler")),
     Benchmark("runs-history", "A team's runs history: the dashboard on 200 finished runs, in a browser",
-              "runs_history.py", headline=("start_s", "list_s", "open_s", "compare_s"),
+              "runs_history.py", measures=("scale.py",), headline=("start_s", "list_s", "open_s", "compare_s"),
               quick_args=("--runs", "20", "--repeats", "1"), rows="repeats"),
     Benchmark("dashboard-cost", "What watching costs: training with 10 browser pages of the dashboard open",
               "dashboard_cost.py", headline=("watched_vs_alone", "latency_median_s", "latency_p95_s"),
@@ -112,16 +116,18 @@ BENCHMARKS = (
     # repetition of the compiled comparison in 200 s, the second cut by the limit).
     Benchmark("gpu-gpt-compiled", "The real workload on a GPU: one compiled worker against a plain compiled loop",
               "gpt_gpu.py", args=("--parts", "1", "--warmup", "15", "--steps", "60", "--repeats", "1"),
-              suites=("gpu",), needs="gpu",
+              suites=("gpu",), needs="gpu", measures=("throughput.py",),
               headline=("one_worker_vs_plain", "plain_mfu", "workbench_mfu"),
               columns=("repeat", "plain_samples_per_s", "workbench_samples_per_s", "workbench_compute_ms")),
     Benchmark("gpu-gpt-strategies", "The real workload on a GPU: every strategy on two workers sharing it",
               "gpt_gpu.py", args=("--parts", "2", "--timeout", "90"), suites=("gpu",), needs="gpu", rows="strategies",
+              measures=("throughput.py",),
               headline=("strategies_finished", "strategies_run", "worst_loss_vs_allreduce"),
               columns=("status", "samples_per_s", "held_out_loss", "bits_per_char", "staleness_mean",
                        "bytes_sent_per_step")),
     Benchmark("gpu-throughput", "Throughput on a GPU: a transformer in bf16 against a plain loop, DDP and the limit",
               "throughput.py", args=("--device", "cuda", "--repeats", "1"), suites=("gpu",), needs="gpu",
+              measures=("throughput_cuda.py",),
               headline=("one_worker_vs_plain", "one_worker_vs_ddp_x1", "workbench_overhead_ms_per_step",
                         "ddp_x2_gloo_vs_limit", "allreduce_x2_vs_limit"),
               columns=("samples_per_s", "vs_plain", "vs_limit", "compute_ms", "comm_ms", "gpu_utilization")),

@@ -7,7 +7,8 @@ hold curves, each named by its result's commit, so a picture of an older result 
 each drawn by the `draw(result, picture)` of the script that measured it (one way to draw a result).
 Both are generated, never edited; tests/unit/test_benchmark_pages.py fails when the page differs from what
 the files say, a picture it shows is missing or one is left over, or a file lacks its headline keys.
-`stale_results()` compares each file's commit with HEAD.
+`stale_results()` compares each file's commit with HEAD, over the engine, its script and the scripts it
+takes code from (`measures` in catalog.py).
 """
 from __future__ import annotations
 
@@ -220,8 +221,9 @@ def stale_results() -> list[tuple[Path, str, list[str]]]:
     stale = []
     for _, benchmark, path in result_files():
         commit = str(resultfile.read(path).get("commit"))
+        scripts = [f"benchmarks/{script}" for script in (benchmark.script, *benchmark.measures)]
         changed = subprocess.run(["git", "-C", str(resultfile.ROOT), "diff", "--name-only", commit, "HEAD", "--",
-                                  *MEASURED, f"benchmarks/{benchmark.script}"], capture_output=True, text=True)
+                                  *MEASURED, *scripts], capture_output=True, text=True)
         names = changed.stdout.split()
         if changed.returncode != 0 or names:
             stale.append((path, commit, names or [f"commit {commit[:7]} unknown here"]))

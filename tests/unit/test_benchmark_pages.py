@@ -133,3 +133,36 @@ def test_a_tree_is_dirty_for_code_changed_not_for_the_results_a_run_writes(tmp_p
     assert not resultfile.tree_is_dirty(tmp_path)
     (tmp_path / "workbench.py").write_text("x = 2\n")
     assert resultfile.tree_is_dirty(tmp_path)
+
+
+def test_a_result_is_out_of_date_when_a_script_it_takes_code_from_changes(tmp_path, monkeypatch):
+    # fidelity-tune runs fidelity.py's job and DDP ranks: a change there changes what its result measures.
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    def commit(message):
+        git("add", "-A")
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+        return git("rev-parse", "HEAD").strip()
+
+    git("init", "-q")
+    (tmp_path / "benchmarks").mkdir()
+    for name in ("fidelity_tune.py", "fidelity.py", "auto.py"):
+        (tmp_path / "benchmarks" / name).write_text("x = 1\n")
+    measured = commit("measured here")
+    result = tmp_path / "fidelity-tune.json"
+    result.write_text(json.dumps({"commit": measured}))
+    tune = catalog.BY_NAME["fidelity-tune"]
+    monkeypatch.setattr(resultfile, "ROOT", tmp_path)
+    monkeypatch.setattr(pages, "result_files", lambda: [("cpu-2core", tune, result)])
+    assert pages.stale_results() == []
+    (tmp_path / "benchmarks" / "auto.py").write_text("x = 2\n")  # a script it takes nothing from
+    commit("another benchmark changed")
+    assert pages.stale_results() == []
+    (tmp_path / "benchmarks" / "fidelity.py").write_text("x = 2\n")
+    commit("the job changed")
+    assert pages.stale_results() == [(result, measured, ["benchmarks/fidelity.py"])]
+    # Every script a benchmark is said to take code from exists, and is not its own.
+    for benchmark in catalog.BENCHMARKS:
+        for script in benchmark.measures:
+            assert (resultfile.HERE / script).is_file() and script != benchmark.script, (benchmark.name, script)
