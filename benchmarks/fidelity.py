@@ -1,8 +1,8 @@
 """Fidelity: what each strategy costs in model quality, judged on the real workload across emulated hosts.
 
 The job: the character-level GPT (gpt-mini, 0.84M parameters, context 64) on the standard library's
-source (`stdlib-text`), AdamW at 3e-3 with 5% warm-up and cosine decay, batch 32 windows per worker, the
-same budget of steps per worker for every run (`--steps`, so every run sees the same samples), a
+source (`stdlib-text`), AdamW at a peak rate of 1.5e-3 (`--lr`) with 5% warm-up and cosine decay, batch 32
+windows per worker, the same budget of steps per worker for every run (`--steps`, so every run sees the same samples), a
 held-out evaluation on worker 0 every 64 steps (a multiple of every averaging period, so `average` is
 judged on its averaged weights) and at the end. Two worker hosts on the lab (`testbed/lab.py`, host 0
 the scheduler and client), under the conditions: links unlimited, 100 Mbit/s, 20 Mbit/s (`tbf`, no added
@@ -11,7 +11,10 @@ delay), and one slow host (host 2 at half a core, link unlimited).
 The reference is PyTorch DDP on the same two hosts (one process each, gloo, the same model, optimizer,
 schedule, shards and evaluations). Then the workbench configurations (`CONFIGS`), and `auto`. Each run
 records held-out loss against wall time (from its first step) and against samples seen: curves, not only
-end points. Computed in code:
+end points. The rate is DDP's best in `fidelity_tune.py`'s sweep (7.5e-4 to 2.4e-2): at 3e-3, this script's
+rate before, DDP ended 0.29 higher, and every configuration judged against it looked better than it is.
+Every run here trains at the one rate; each configuration's own best rate is `fidelity_tune.py`'s to find.
+Computed in code:
 
 - `sync_gap_p64_outer`: held-out loss of `average` p64 with the outer Nesterov step against DDP's, at
   equal samples (the end of the budget), as a fraction of DDP's loss, the medians over the seeds at
@@ -83,7 +86,10 @@ import resultfile  # noqa: E402
 
 # Context 64: a step computes in about 0.16 s on one core, so a dense exchange of the 3.4 MB of gradients
 # at 100 Mbit/s (about 0.3 s) costs more than the step, as on the thin links the strategies are made for.
-MODEL, CONTEXT, BATCH, LR, EVAL_EVERY, EVAL_WINDOWS = "gpt-mini", 64, 32, 3e-3, 64, 128
+MODEL, CONTEXT, BATCH, EVAL_EVERY, EVAL_WINDOWS = "gpt-mini", 64, 32, 64, 128
+# The peak rate: DDP's best in fidelity-tune's sweep (the reference judged at its own best, as DiLoCo and
+# SparseLoCo tune theirs). fidelity_tune.py passes its own rates through `lr` below.
+LR = 1.5e-3
 WARMUP_SHARE = 0.05
 CONDITIONS = ("100mbit", "unlimited", "20mbit", "slow-host")  # 100 Mbit/s first: its seeds follow its row
 SLOW_HOSTS = {"slow-host": 0.5, "quarter-host": 0.25}  # host 2's share of a core; host 1 has a whole one
@@ -96,6 +102,7 @@ THIN_RETENTION = 0.9  # of its unlimited speed kept at 10 Mbit/s (issue 45)
 ALONE_STEPS = 64
 SEEDED_CONDITION = "100mbit"
 DDP_PORT = 29700
+STOPPED = "stopped after"  # a run's status when it ran over its time: its curve so far kept, no final loss
 
 # (name, strategy, settings): DDP is the reference run beside these.
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
@@ -137,9 +144,9 @@ THIN = ("average p16", "average p16 overlap bf16", "average p16 sparse", "averag
 SEEDED = ("ddp", "average p64 outer", "auto")  # and the best at 100 Mbit/s: --seeds seeds each there
 
 
-def job_fields(steps: int, seed: int) -> dict[str, Any]:
-    """The one job every run trains (DDP's processes build the same from it)."""
-    return dict(optimizer="adamw", lr=LR, batch_size=BATCH, steps=steps, seed=seed, lr_schedule="cosine",
+def job_fields(steps: int, seed: int, lr: float = LR) -> dict[str, Any]:
+    """The one job every run trains at peak rate `lr` (DDP's processes build the same from it)."""
+    return dict(optimizer="adamw", lr=lr, batch_size=BATCH, steps=steps, seed=seed, lr_schedule="cosine",
                 warmup_steps=max(1, int(WARMUP_SHARE * steps)), eval_every=EVAL_EVERY)
 
 
@@ -170,7 +177,7 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
     # DDP. Neither evaluates: a speed, as the capacity is.
     cut, local = "batch" in spec, spec.get("batch", BATCH)
     lockstep = cut and spec.get("lockstep", False)
-    fields = job_fields(steps, seed)
+    fields = job_fields(steps, seed, spec["lr"])
     if not alone:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=600))
@@ -181,7 +188,7 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
         torch.manual_seed(seed)
         plain = alone or lockstep
         model = workbench.gpt(MODEL)() if plain else torch.nn.parallel.DistributedDataParallel(workbench.gpt(MODEL)())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=fields["lr"])
         curve, step, epoch, ends, pauses = [], 0, 0, [], []
         if not alone:
             dist.barrier()
@@ -191,7 +198,7 @@ def _ddp_rank(spec: dict[str, Any]) -> None:
                 if step >= steps:
                     break
                 for group in optimizer.param_groups:
-                    group["lr"] = LR * lr_factor(step, steps, "cosine", fields["warmup_steps"])
+                    group["lr"] = fields["lr"] * lr_factor(step, steps, "cosine", fields["warmup_steps"])
                 inputs, targets = data.batch(indices)
                 optimizer.zero_grad(set_to_none=True)
                 loss = cross_entropy(model(inputs), targets)
@@ -242,9 +249,9 @@ def steady_rate(ends: list[float], samples: list[int], pauses: list[float] = ())
     return count / seconds if seconds > 0 else None
 
 
-def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float,
+def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], timeout_s: float, *, lr: float,
             alone: bool = False, cut: list[int] | None = None, lockstep: bool = False) -> dict[str, Any]:
-    """PyTorch DDP on the worker hosts; `alone`: the same loop on each, nothing exchanged (the capacity);
+    """PyTorch DDP on the worker hosts at peak rate `lr`; `alone`: the same loop on each, nothing exchanged (the capacity);
     `cut`: each host's part of the global batch (a reference on the balanced cut), `lockstep`: with
     nothing exchanged but one number a step instead of DDP's gradients."""
     counter[0] += 1
@@ -254,7 +261,7 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
            "MASTER_PORT": str(DDP_PORT + counter[0] % 200), "OMP_NUM_THREADS": "1"}
     processes = []
     for rank, host in enumerate(hosts):
-        spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "alone": alone,
+        spec = {"rank": rank, "world_size": len(hosts), "steps": steps, "seed": seed, "lr": lr, "alone": alone,
                 "out": str(out.with_suffix(f".{rank}.json")) if alone else str(out)}
         if cut:
             spec.update(batch=cut[rank], global_batch=sum(cut), lockstep=lockstep)
@@ -288,15 +295,15 @@ def run_ddp(lab: Any, scratch: Path, steps: int, seed: int, counter: list[int], 
 
 
 def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str, Any], steps: int, seed: int,
-                  timeout_s: float) -> dict[str, Any]:
+                  timeout_s: float, *, lr: float) -> dict[str, Any]:
     import workbench
 
-    job = workbench.Job(model=workbench.gpt(MODEL), data=text_data(), **job_fields(steps, seed))
+    job = workbench.Job(model=workbench.gpt(MODEL), data=text_data(), **job_fields(steps, seed, lr))
     run = workbench.train(job, strategy, client=client, run_dir=scratch / "runs", checkpoint_every_s=None, **settings)
     try:
         status = run.wait(timeout=timeout_s)
     except Exception as error:  # noqa: BLE001 - over its time: stopped, the curve so far kept
-        status = f"stopped after {timeout_s:.0f} s ({type(error).__name__})"
+        status = f"{STOPPED} {timeout_s:.0f} s ({type(error).__name__})"
         run.stop()
         run.wait(timeout=300)
     frame = run.metrics
@@ -345,7 +352,24 @@ def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
 
 
 def final_loss(cell: dict[str, Any]) -> float | None:
+    """The held-out loss at the end of the budget; None where the run did not reach it (failed, or stopped
+    over its time: its curve ends early, and its last loss is not the budget's)."""
+    if str(cell.get("status", "")).startswith(STOPPED):
+        return None
     return cell["curve"][-1]["loss"] if cell.get("curve") else None
+
+
+def outcome(cell: dict[str, Any]) -> str:
+    """How a cell ended, in one line of the progress log."""
+    if cell.get("error"):
+        return cell["error"]
+    if final_loss(cell) is not None:
+        return f"held-out loss {final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
+    if cell.get("cut"):
+        return f"{cell.get('steady_samples_per_s') or 0:.0f} samples/s, cut {cell['cut']}"
+    if "samples_per_s_by_host" in cell:  # the capacity: each host's loop alone
+        return f"{cell.get('samples_per_s') or 0:.0f} samples/s"
+    return f"no final held-out loss ({cell.get('status', 'no status')})"
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -619,6 +643,7 @@ def main() -> None:
     parser.add_argument("--thin", action="store_true", help="links of 20 and 10 Mbit/s: the sparse outer exchange")
     parser.add_argument("--steps", type=int, default=256, help="steps per worker, the budget of every run")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=LR, help="the peak learning rate of every run")
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--only", default=None, help="comma-separated parts of configuration names (and 'ddp')")
     parser.add_argument("--cell-timeout-s", type=float, default=1800)
@@ -638,6 +663,8 @@ def main() -> None:
     if arguments.table:
         print(table(json.loads(Path(arguments.table).read_text())))
         return
+    if not arguments.lr > 0:
+        parser.error(f"--lr {arguments.lr}: a peak learning rate above 0 (DDP's best here: {LR:g})")
     from network import machine
     from testbed import lab as labs
 
@@ -655,7 +682,7 @@ def main() -> None:
         "benchmark": "fidelity", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **resultfile.commit(), "machine": machine(),
         "settings": {"model": MODEL, "parameters": sum(p.numel() for p in workbench.gpt(MODEL)().parameters()),
-                     "context": CONTEXT, "batch_per_worker": BATCH, "lr": LR, "steps": steps,
+                     "context": CONTEXT, "batch_per_worker": BATCH, "lr": arguments.lr, "steps": steps,
                      "budget": f"{steps} steps per worker ({steps * BATCH * 2} samples) for every run",
                      "eval_every": EVAL_EVERY, "eval_windows": EVAL_WINDOWS, "quick": arguments.quick,
                      "slow_host": f"host 2 at 0.5 core, host 1 at 1.0 (over {SLOW_HOST_PERIOD_MS} ms periods), "
@@ -679,26 +706,23 @@ def main() -> None:
             cell_began = time.time()
             if strategy in ("ddp", "alone"):  # alone: a speed, not a curve; ALONE_STEPS are enough for it
                 cell = run_ddp(lab, scratch, min(steps, ALONE_STEPS) if strategy == "alone" else steps, seed, counter,
-                               arguments.cell_timeout_s, alone=strategy == "alone")
+                               arguments.cell_timeout_s, lr=arguments.lr, alone=strategy == "alone")
             elif strategy in (LOCKSTEP, DDP_BALANCED):  # speeds on the cut of the capacity just measured
                 cut = speed_cut(last_alone(document["cells"], condition), 2 * BATCH)
                 cell = run_ddp(lab, scratch, min(steps, CUT_STEPS), seed, counter, arguments.cell_timeout_s,
-                               cut=cut, lockstep=strategy == LOCKSTEP)
+                               lr=arguments.lr, cut=cut, lockstep=strategy == LOCKSTEP)
             else:
                 try:
-                    cell = run_workbench(client, scratch, strategy, settings, steps, seed, arguments.cell_timeout_s)
+                    cell = run_workbench(client, scratch, strategy, settings, steps, seed, arguments.cell_timeout_s,
+                                         lr=arguments.lr)
                 except Exception as error:  # noqa: BLE001 - recorded; the grid goes on
                     cell = {"error": f"{type(error).__name__}: {error}"}
             set_condition(lab, "unlimited")
             cell.update(condition=condition, config=name, strategy=strategy, settings=settings, seed=seed,
                         cell_s=time.time() - cell_began)
             document["cells"].append(cell)
-            end = cell.get("error") or (f"held-out loss {final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
-                                        if cell.get("curve") else f"{cell.get('samples_per_s') or 0:.0f} samples/s"
-                                        if strategy == "alone" else
-                                        f"{cell.get('steady_samples_per_s') or 0:.0f} samples/s, cut {cell['cut']}"
-                                        if cell.get("cut") else "no evaluation")
-            print(f"[{(time.time() - began) / 60:5.1f} min] {condition:>9} {name:<32} seed {seed}: {end}", flush=True)
+            print(f"[{(time.time() - began) / 60:5.1f} min] {condition:>9} {name:<32} seed {seed}: {outcome(cell)}",
+                  flush=True)
             if condition == SEEDED_CONDITION and seed == 0 and all(c[0] != condition for c in queue):
                 queue[:0] = seeded(arguments, document["cells"])  # the row is measured: its seeds next
             document.update(headline(document["cells"], arguments.quick), **balance_headline(document["cells"]),

@@ -1,16 +1,17 @@
 """Fidelity at each one's own learning rate: DDP and the averaging configurations on the real workload, each
 swept over peak learning rates, so that a gap to DDP is not a gap to an under-tuned DDP.
 
-`benchmarks/fidelity.py` trains every run at one peak rate (AdamW at 3e-3). A run of DDP alone at other
-rates (2026-12-06) ended 0.36 lower at 1.2e-2, so the quality it judges every strategy against was DDP
-below its best. Here the same job (`fidelity.job_fields`: the GPT, its data, schedule, batch, budget and
+`benchmarks/fidelity.py` trains every run at one peak rate (`fidelity.LR`). At its rate before, 3e-3, this
+sweep found DDP 0.29 above its loss at its best rate (1.5e-3, measured 2026-12-06), so the quality it judged
+every strategy against was DDP below its best; its rate is DDP's best since. Here the same job (`fidelity.job_fields`: the GPT, its data, schedule, batch, budget and
 evaluations), on the same two lab hosts with the link unlimited (at equal samples the link changes no
 loss, only the time), runs DDP and `TUNED` at each rate of `RATES` (seed 0), then `--seeds` seeds in all at
 each one's best rate (by its seed-0 loss). Each is judged at its own best rate, as DiLoCo and SparseLoCo
 tune their baselines. A rate at either end of the sweep is flagged: the best may lie beyond it. Computed:
 
 - `ddp_best_lr`, `ddp_loss_best_lr` (the median of its seeds there) and `ddp_default_lr_excess` (DDP's
-  loss at fidelity.py's rate above its loss at its best, seed 0 both, as a fraction of the latter);
+  loss at fidelity.py's rate above its loss at its best, seed 0 both, as a fraction of the latter: 0 where
+  fidelity.py's rate is still DDP's best);
 - per configuration (`tuned`): its best rate, its loss there, its gap to DDP's at DDP's best
   (`gap_vs_tuned_ddp`), and the gap at fidelity.py's rate for both (`gap_at_default_lr`);
 - `tuned_best` and `tuned_best_gap_vs_ddp` (the configuration lowest at its best rate, and its gap),
@@ -26,14 +27,12 @@ else runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -45,27 +44,6 @@ RATES = (7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)  # fidelity.LR and powers o
 # digit on the same code and seed (the timing-dependent ones, async and auto, would need many seeds a rate).
 TUNED = ("average p16", "average p64 outer", "average p16 sparse", "average p4 sparse",
          "average p1 overlap sparse")
-RATE_VARIABLE = "WORKBENCH_FIDELITY_PEAK_LR"  # the rate, to the DDP ranks this script runs on the lab hosts
-
-
-@contextlib.contextmanager
-def peak_rate(lr: float) -> Iterator[None]:
-    """fidelity.py's job at peak rate `lr`. Its runs read the rate from `fidelity.LR` when they start (the
-    workbench's through `job_fields`, DDP's ranks in the process `fidelity.run_ddp` spawns from
-    `fidelity.HERE`); so the rate is set there, and the ranks are spawned from this script, which reads it
-    back from the environment. This rather than a parameter through fidelity.py: its three results (three
-    hours to measure) count as out of date when its text changes."""
-    saved = fidelity.LR, fidelity.HERE, os.environ.get(RATE_VARIABLE)
-    fidelity.LR, fidelity.HERE = lr, HERE
-    os.environ[RATE_VARIABLE] = repr(lr)
-    try:
-        yield
-    finally:
-        fidelity.LR, fidelity.HERE = saved[:2]
-        if saved[2] is None:
-            os.environ.pop(RATE_VARIABLE, None)
-        else:
-            os.environ[RATE_VARIABLE] = saved[2]
 
 
 def condition_of(lr: float) -> str:
@@ -92,8 +70,9 @@ def seeded(cells: list[dict[str, Any]], seeds: int) -> list[tuple[float, str, in
     return [(lr, name, seed) for name, lr in best_rates(cells).items() for seed in range(1, seeds)]
 
 
-def tune_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """The keys above, from the raw cells (each with its `config`, `lr`, `seed` and held-out curve)."""
+def tune_headline(cells: list[dict[str, Any]], default_lr: float = fidelity.LR) -> dict[str, Any]:
+    """The keys above, from the raw cells (each with its `config`, `lr`, `seed` and held-out curve);
+    `default_lr`: fidelity.py's rate, the one the excess and the gaps at the default are read at."""
     best = best_rates(cells)
     if "ddp" not in best:
         return {}
@@ -104,11 +83,11 @@ def tune_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
         return fidelity.median_or_none([fidelity.final_loss(c) for c in runs
                                         if c["config"] == name and c["lr"] == lr and (c["seed"] == 0 or not seed0)])
 
-    ddp_best, ddp_default = loss("ddp", best["ddp"]), loss("ddp", fidelity.LR, seed0=True)
+    ddp_best, ddp_default = loss("ddp", best["ddp"]), loss("ddp", default_lr, seed0=True)
     ddp_best_seed0 = loss("ddp", best["ddp"], seed0=True)  # the excess compares seed 0 with seed 0, as chosen
     table: dict[str, dict[str, Any]] = {}
     for name, lr in best.items():
-        at_best, at_default = loss(name, lr), loss(name, fidelity.LR, seed0=True)
+        at_best, at_default = loss(name, lr), loss(name, default_lr, seed0=True)
         rates = sorted({c["lr"] for c in runs if c["config"] == name})
         table[name] = {
             "best_lr": lr, "loss_best_lr": at_best,
@@ -130,9 +109,7 @@ def tune_headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "best_lr_at_edge": [name for name, row in table.items() if row["best_lr_at_edge"]]}
 
 
-def draw(result_path: Path, picture: Path) -> None:
-    """Held-out loss against wall time, a panel per rate (fidelity.py's picture of its cells)."""
-    fidelity.draw(result_path, picture)
+draw = fidelity.draw  # held-out loss against wall time, a panel per rate (a cell's condition names its rate)
 
 
 def run_cell(lab: Any, client: Any, scratch: Path, lr: float, name: str, seed: int, steps: int,
@@ -141,14 +118,13 @@ def run_cell(lab: Any, client: Any, scratch: Path, lr: float, name: str, seed: i
     lab.restore_workers(client, [1, 2])
     fidelity.set_condition(lab, "unlimited")
     began = time.time()
-    with peak_rate(lr):
-        if strategy == "ddp":
-            cell = fidelity.run_ddp(lab, scratch, steps, seed, counter, timeout_s)
-        else:
-            try:
-                cell = fidelity.run_workbench(client, scratch, strategy, settings, steps, seed, timeout_s)
-            except Exception as error:  # noqa: BLE001 - recorded; the sweep goes on
-                cell = {"error": f"{type(error).__name__}: {error}"}
+    if strategy == "ddp":
+        cell = fidelity.run_ddp(lab, scratch, steps, seed, counter, timeout_s, lr=lr)
+    else:
+        try:
+            cell = fidelity.run_workbench(client, scratch, strategy, settings, steps, seed, timeout_s, lr=lr)
+        except Exception as error:  # noqa: BLE001 - recorded; the sweep goes on
+            cell = {"error": f"{type(error).__name__}: {error}"}
     cell.update(condition=condition_of(lr), lr=lr, link="unlimited", config=name, strategy=strategy,
                 settings=settings, seed=seed, cell_s=time.time() - began)
     return cell
@@ -163,12 +139,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated parts of configuration names (DDP always runs)")
     parser.add_argument("--cell-timeout-s", type=float, default=900)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--ddp-rank", default=None, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
-    if arguments.ddp_rank is not None:  # a DDP rank on a lab host, at the rate peak_rate set
-        fidelity.LR = float(os.environ[RATE_VARIABLE])
-        fidelity._ddp_rank(json.loads(arguments.ddp_rank))
-        return
     rates = tuple(float(r) for r in arguments.rates.split(",") if r)
     if not rates or min(rates) <= 0 or arguments.seeds < 1 or arguments.steps < 1:
         parser.error(f"--rates {arguments.rates!r}, --seeds {arguments.seeds}, --steps {arguments.steps}: "
@@ -203,11 +174,11 @@ def main() -> None:
             lr, name, seed = queue.pop(0)
             cell = run_cell(lab, client, scratch, lr, name, seed, steps, counter, arguments.cell_timeout_s)
             document["cells"].append(cell)
-            end = cell.get("error") or f"held-out loss {fidelity.final_loss(cell):.4f} after {cell['wall_s']:.0f} s"
-            print(f"[{(time.time() - began) / 60:5.1f} min] lr {lr:<7g} {name:<28} seed {seed}: {end}", flush=True)
+            print(f"[{(time.time() - began) / 60:5.1f} min] lr {lr:<7g} {name:<28} seed {seed}: "
+                  f"{fidelity.outcome(cell)}", flush=True)
             if not queue and seed == 0:
                 queue = seeded(document["cells"], arguments.seeds)  # every rate measured: the seeds at the best
-            document.update(tune_headline(document["cells"]), minutes=(time.time() - began) / 60)
+            document.update(tune_headline(document["cells"], fidelity.LR), minutes=(time.time() - began) / 60)
             resultfile.write(out, document)  # what was measured survives a cut
     print(json.dumps({k: v for k, v in document.items() if k not in ("cells", "machine", "settings", "corpus")},
                      default=str))

@@ -231,3 +231,26 @@ def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_
     assert result["best_at_10mbit"] == sparse and not result["targets_met_10mbit"]
     assert result["sparse_bytes_ratio"] == pytest.approx(4000 / 30)
     assert fidelity.thin_headline([c for c in cells if c["config"] != "ddp"], 1000) == {}
+
+
+def test_a_run_stopped_over_its_time_has_no_final_loss_and_says_so():
+    curve = [{"step": 64, "seconds": 30.0, "loss": 3.1}, {"step": 128, "seconds": 60.0, "loss": 2.8}]
+    finished = {"status": "finished", "curve": curve, "wall_s": 61.0}
+    stopped = {"status": f"{fidelity.STOPPED} 900 s (TimeoutError)", "curve": curve, "wall_s": 900.0}
+    assert fidelity.final_loss(finished) == 2.8 and fidelity.final_loss(stopped) is None
+    # Its curve still times a target it reached before it was stopped.
+    assert fidelity.time_to(stopped["curve"], 2.95) == pytest.approx(45.0)
+    assert fidelity.outcome(finished) == "held-out loss 2.8000 after 61 s"
+    assert fidelity.outcome(stopped) == f"no final held-out loss ({stopped['status']})"
+    assert fidelity.outcome({"error": "DDP over 900 s"}) == "DDP over 900 s"
+    assert fidelity.outcome({"samples_per_s": 250.4, "samples_per_s_by_host": [150.0, 100.4]}) == "250 samples/s"
+    assert fidelity.outcome({"steady_samples_per_s": 240.0, "cut": [40, 24]}) == "240 samples/s, cut [40, 24]"
+    # A condition whose only run of a configuration was stopped shows it as a run without a loss.
+    assert fidelity.median_or_none([fidelity.final_loss(c) for c in (stopped,)]) is None
+
+
+def test_a_rate_below_or_at_zero_is_refused_naming_it(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fidelity.py", "--lr", "0"])
+    with pytest.raises(SystemExit):
+        fidelity.main()
+    assert "--lr 0.0: a peak learning rate above 0" in capsys.readouterr().err

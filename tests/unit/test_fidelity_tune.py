@@ -3,11 +3,14 @@ its own best rate, the seeds planned at that rate, and the rate reaching both ki
 from __future__ import annotations
 
 import json
-import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+
+from workbench.schedule import lr_factor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fidelity  # noqa: E402
@@ -45,7 +48,7 @@ def test_each_configuration_is_judged_at_its_own_best_rate_against_ddp_at_its_be
     cells = GRID + [cell("ddp", 0.012, 2.57, 1), cell("ddp", 0.012, 2.56, 2), cell(SPARSE, 0.003, 2.48, 1),
                     cell(SPARSE, 0.003, 2.47, 2), cell(SPARSE, 0.006, 2.20, 1),  # not a seed the sweep plans
                     cell(outer, 0.003, 2.70), cell(outer, 0.006, 2.65), cell(outer, 0.012, 2.80)]
-    result = fidelity_tune.tune_headline(cells)
+    result = fidelity_tune.tune_headline(cells, 0.003)  # fidelity.py's rate, as it was
     assert result["ddp_best_lr"] == 0.012 and result["ddp_loss_best_lr"] == pytest.approx(2.56)
     # At fidelity.py's 3e-3 against its best rate, seed 0 both (the seeds the rate was chosen by).
     assert result["ddp_default_lr_excess"] == pytest.approx((2.90 - 2.55) / 2.55)
@@ -59,31 +62,50 @@ def test_each_configuration_is_judged_at_its_own_best_rate_against_ddp_at_its_be
     assert result["tuned_sync_gap_p64_outer"] == pytest.approx((2.65 - 2.56) / 2.56)
     # The sparse one's best is the sweep's lowest rate: its own best may lie below; DDP's and p64's are inside.
     assert result["best_lr_at_edge"] == [SPARSE] and result["rates"] == [0.003, 0.006, 0.012, 0.024]
-    assert fidelity_tune.tune_headline([c for c in cells if c["config"] != "ddp"]) == {}
+    assert fidelity_tune.tune_headline([c for c in cells if c["config"] != "ddp"], 0.003) == {}
     # Where fidelity.py's own rate was not swept, nothing is said about it; nor about p64 outer unmeasured.
-    unswept = fidelity_tune.tune_headline([c for c in cells if c["lr"] != 0.003 and c["config"] != outer])
+    unswept = fidelity_tune.tune_headline([c for c in cells if c["lr"] != 0.003 and c["config"] != outer], 0.003)
     assert unswept["ddp_default_lr_excess"] is None and unswept["tuned"][SPARSE]["gap_at_default_lr"] is None
     assert unswept["tuned_sync_gap_p64_outer"] is None and unswept["tuned_best"] == SPARSE
 
 
-def test_the_rate_reaches_the_workbench_job_and_the_ddp_ranks_and_is_put_back(monkeypatch):
-    monkeypatch.delenv(fidelity_tune.RATE_VARIABLE, raising=False)
-    before = fidelity.LR, fidelity.HERE
-    with pytest.raises(RuntimeError, match="a run failed"):
-        with fidelity_tune.peak_rate(0.012):
-            assert fidelity.job_fields(256, 0)["lr"] == 0.012  # what run_workbench builds its Job from
-            assert fidelity.HERE == fidelity_tune.HERE  # run_ddp spawns its ranks from this script
-            assert float(os.environ[fidelity_tune.RATE_VARIABLE]) == 0.012  # which they inherit on a lab host
-            raise RuntimeError("a run failed")
-    assert (fidelity.LR, fidelity.HERE) == before and fidelity_tune.RATE_VARIABLE not in os.environ
-    # A rank started as run_ddp starts it (`--ddp-rank SPEC`) trains at the rate it inherited.
+class SpawningLab:
+    """What `fidelity.run_ddp` asks of the lab: two worker hosts, and the specs it spawns ranks with."""
+    size, addresses = 3, ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+
+    def __init__(self):
+        self.processes, self.specs = [], []
+
+    def spawn(self, host, argv, name, env):
+        self.specs.append(json.loads(argv[argv.index("--ddp-rank") + 1]))
+        process = types.SimpleNamespace(returncode=0, wait=lambda timeout: 0, kill=lambda: None)
+        self.processes.append((host, process))
+        return process
+
+    def tail(self, name):
+        return ""
+
+
+def test_the_rate_reaches_the_workbench_job_and_the_ddp_ranks(monkeypatch, tmp_path):
+    assert fidelity.job_fields(256, 0, 0.012)["lr"] == 0.012  # what run_workbench builds its Job from
+    assert fidelity.job_fields(256, 0)["lr"] == fidelity.LR
+    lab = SpawningLab()
+    assert "error" in fidelity.run_ddp(lab, tmp_path, 8, 0, [0], 60.0, lr=0.012)  # the stand-in ranks wrote nothing
+    assert [spec["lr"] for spec in lab.specs] == [0.012, 0.012] and [spec["rank"] for spec in lab.specs] == [0, 1]
+    # A rank given that spec trains at its rate: its optimizer's peak, scaled by the schedule each step.
     seen = []
-    monkeypatch.setattr(fidelity, "_ddp_rank", lambda spec: seen.append((fidelity.LR, spec)))
-    monkeypatch.setenv(fidelity_tune.RATE_VARIABLE, "0.006")
-    monkeypatch.setattr(sys, "argv", ["fidelity_tune.py", "--ddp-rank", json.dumps({"rank": 1})])
-    monkeypatch.setattr(fidelity, "LR", before[0])  # put back after the test: main sets it from the rank's rate
-    fidelity_tune.main()
-    assert seen == [(0.006, {"rank": 1})]
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    spec = dict(lab.specs[0], steps=4, alone=True, out=str(tmp_path / "alone.json"))
+    fidelity._ddp_rank(spec)
+    warmup = fidelity.job_fields(4, 0)["warmup_steps"]
+    assert seen == pytest.approx([0.012 * lr_factor(step, 4, "cosine", warmup) for step in range(4)])
+    assert max(seen) == pytest.approx(0.012) and json.loads((tmp_path / "alone.json").read_text())["samples_per_s"] > 0
 
 
 def test_a_sweep_without_rates_is_refused_naming_the_arguments(monkeypatch, capsys):
