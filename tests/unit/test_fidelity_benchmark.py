@@ -207,7 +207,13 @@ def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_
     plan = [(c[0], c[1]) for c in fidelity.plan(arguments)]
     assert plan[0] == ("unlimited", "ddp") and sum(name == "ddp" for _, name in plan) == 1
     assert {condition for condition, _ in plan} == {"unlimited", "20mbit", "10mbit"}
-    assert len(plan) == 1 + 3 * len(fidelity.THIN) and fidelity.seeded(arguments, []) == []
+    assert len(plan) == 1 + 3 * len(fidelity.THIN) + 2 * 2 * 4 and fidelity.seeded(arguments, []) == []
+    # Then the four candidates (not the float32 one) twice more, unlimited and 10 Mbit/s back to back.
+    again = plan[1 + 3 * len(fidelity.THIN):]
+    assert again[:2] == [("unlimited", "average p16 overlap bf16"), ("10mbit", "average p16 overlap bf16")]
+    assert {name for _, name in again} == set(fidelity.THIN) - {"average p16"}
+    assert all(sum(1 for c in plan if c == (condition, name)) == 3 for condition, name in again)
+    assert sum(1 for c in plan if c == ("20mbit", "average p1 overlap sparse")) == 1
     dense, sparse = "average p16 overlap bf16", "average p16 sparse"
 
     def run(config, condition, rate, loss, sent, settings=None):
@@ -219,6 +225,11 @@ def test_thin_plans_ddp_on_the_unlimited_link_only_and_keeps_the_fastest_config_
              run(sparse, "unlimited", 290.0, 2.08, 30, {"sparse_density": 1 / 64}),
              run(sparse, "10mbit", 290.0, 2.08, 30, {"sparse_density": 1 / 64})]
     result = fidelity.thin_headline(cells, parameters=1000)
+    # Three runs of the sparse one at 10 Mbit/s: its speed there is their median, each run kept beside it.
+    again = [run(sparse, "10mbit", 200.0, 2.08, 30), run(sparse, "10mbit", 280.0, 2.08, 30)]
+    repeated = fidelity.thin_headline(cells + again, parameters=1000)["thin"][sparse]
+    assert repeated["samples_per_s_runs"]["10mbit"] == [290.0, 200.0, 280.0]
+    assert repeated["retention_10mbit"] == pytest.approx(280.0 / 290.0) and repeated["samples_per_s"]["20mbit"] is None
     # Both keep over 0.9 of their speed; the dense one ends closer to DDP (2.5% against 4%): the best.
     assert result["thin"][sparse]["retention_10mbit"] == 1.0 and result["thin"][sparse]["gap_10mbit"] > 0.03
     assert result["best_at_10mbit"] == dense and result["best_retention_10mbit"] == pytest.approx(0.95)
