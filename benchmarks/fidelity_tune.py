@@ -3,11 +3,12 @@ swept over peak learning rates, so that a gap to DDP is not a gap to an under-tu
 
 `benchmarks/fidelity.py` trains every run at one peak rate (`fidelity.LR`). At its rate before, 3e-3, this
 sweep found DDP 0.29 above its loss at its best rate (1.5e-3, measured 2026-12-06), so the quality it judged
-every strategy against was DDP below its best; its rate is DDP's best since. Here the same job (`fidelity.job_fields`: the GPT, its data, schedule, batch, budget and
-evaluations), on the same two lab hosts with the link unlimited (at equal samples the link changes no
-loss, only the time), runs DDP and `TUNED` at each rate of `RATES` (seed 0), then `--seeds` seeds in all at
-each one's best rate (by its seed-0 loss). Each is judged at its own best rate, as DiLoCo and SparseLoCo
-tune their baselines. A rate at either end of the sweep is flagged: the best may lie beyond it. Computed:
+every strategy against was DDP below its best; its rate is DDP's best since. Here the same job
+(`fidelity.job_fields`: the GPT, its data, schedule, batch, budget and evaluations), on the same two lab
+hosts with the link unlimited (at equal samples the link changes no loss, only the time), runs DDP and
+`TUNED` at each rate of `RATES` (seed 0), then `--seeds` seeds in all at each one's best rate (by its seed-0
+loss). Each is judged at its own best rate, as DiLoCo and SparseLoCo tune their baselines. A rate at either
+end of the sweep is flagged: the best may lie beyond it. Computed:
 
 - `ddp_best_lr`, `ddp_loss_best_lr` (the median of its seeds there) and `ddp_default_lr_excess` (DDP's
   loss at fidelity.py's rate above its loss at its best, seed 0 both, as a fraction of the latter: 0 where

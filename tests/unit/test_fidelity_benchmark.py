@@ -28,46 +28,59 @@ def test_time_to_a_target_interpolates_between_evaluations():
     assert fidelity.time_to(points, 1.0) is None  # never reached: said, not guessed
 
 
+def test_the_target_is_ddps_loss_at_half_its_budget_the_median_over_its_seeds_at_100mbit():
+    four = [(20, 2.8), (40, 2.5), (60, 2.3), (80, 2.1)]  # steps 64 to 256: half the budget is step 128
+    assert fidelity.loss_at_step(curve(four), 128) == 2.5
+    assert fidelity.loss_at_step(curve(four), 96) == pytest.approx(2.65)  # between evaluations: linear
+    assert fidelity.loss_at_step(curve(four), 32) is None and fidelity.loss_at_step([], 64) is None
+    cells = [cell("ddp", "unlimited", [(10, 3.0), (15, 2.2), (20, 2.0), (25, 1.9)]),  # not the seeded condition
+             cell("ddp", "100mbit", four), cell("ddp", "100mbit", [(20, 2.7), (40, 2.4), (60, 2.2), (80, 2.0)], seed=1),
+             cell("ddp", "100mbit", [(20, 2.9), (40, 2.6), (60, 2.4), (80, 2.3)], seed=2)]
+    assert fidelity.target_loss(cells) == (2.5, "DDP at 0.5 of its budget, 100mbit, the median of 3 run(s)")
+    # Without the seeded condition (--balance, --thin), the first condition DDP ran in; without DDP, none.
+    assert fidelity.target_loss([cells[0]])[0] == 2.2
+    assert fidelity.target_loss([c for c in cells if c["config"] != "ddp"]) == (None, "DDP did not finish")
+
+
 def test_the_headline_keys_come_from_the_cells():
     cells = [
-        cell("ddp", "unlimited", [(10, 3.0), (20, 2.0)]), cell("ddp", "unlimited", [(10, 3.0), (22, 2.2)], seed=1),
-        cell("ddp", "unlimited", [(10, 3.0), (21, 2.1)], seed=2),  # DDP's median end: 2.1, the target
-        cell("average p64 outer", "unlimited", [(5, 2.6), (9, 2.5)]),  # the gap is judged at 100 Mbit/s
-        cell("average p64 outer", "100mbit", [(10, 2.3), (20, 2.142)], seed=1),  # never reaches 2.1
-        cell("average p64 outer", "100mbit", [(10, 2.2), (20, 2.05)], seed=2),  # 2.1 at 16.67 s
-        cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("ddp", "100mbit", [(40, 2.5), (80, 2.0)], seed=1),
-        cell("ddp", "100mbit", [(40, 2.5), (80, 2.2)], seed=2),  # 2.1 at 80 s, 72 s and never
-        cell("average p64 outer", "100mbit", [(10, 2.3), (20, 2.0)]),  # 2.1 at 16.67 s
-        cell("async p4", "100mbit", [(10, 2.9), (20, 2.5)]),  # never
-        cell("auto", "100mbit", [(10, 2.2), (20, 2.0)]),  # 2.1 at 15 s
-        cell("auto", "unlimited", [(5, 2.5), (10, 2.05)]),  # 2.1 at 9.44 s
-        cell("allreduce", "unlimited", [(6, 2.3), (12, 2.0)]),  # 2.1 at 10 s
+        cell("ddp", "unlimited", [(10, 3.0), (20, 2.0)]),  # the seeded condition's DDP sets the target
+        cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("ddp", "100mbit", [(40, 2.4), (80, 2.0)], seed=1),
+        cell("ddp", "100mbit", [(40, 2.6), (80, 2.2)], seed=2),  # at half: 2.5, 2.4, 2.6; the target 2.5
+        cell("average p64 outer", "unlimited", [(5, 2.6), (9, 2.55)]),  # the gap is judged at 100 Mbit/s
+        cell("average p64 outer", "100mbit", [(10, 2.8), (20, 2.2)]),  # 2.5 at 15 s
+        cell("average p64 outer", "100mbit", [(10, 3.0), (20, 2.6)], seed=1),  # never reaches 2.5
+        cell("average p64 outer", "100mbit", [(10, 2.9), (20, 2.1)], seed=2),  # 2.5 at 15 s
+        cell("async p4", "100mbit", [(10, 2.9), (20, 2.6)]),  # never
+        cell("auto", "100mbit", [(10, 2.9), (20, 2.3)]),  # 2.5 at 16.67 s
+        cell("auto", "unlimited", [(5, 2.7), (10, 2.3)]),  # 2.5 at 7.5 s
+        cell("allreduce", "unlimited", [(6, 2.6), (12, 2.4)]),  # 2.5 at 9 s
     ]
-    result = fidelity.headline(cells, quick=False)
-    assert result["target_loss"] == pytest.approx(2.1)
-    # At equal samples, the medians over the seeds at 100 Mbit/s: p64 outer 2.05 (2.0, 2.142, 2.05), DDP 2.1.
-    assert result["sync_gap_p64_outer"] == pytest.approx((2.05 - 2.1) / 2.1)
+    result = fidelity.headline(cells)
+    assert result["target_loss"] == pytest.approx(2.5)
+    # At equal samples, the medians over the seeds at 100 Mbit/s: p64 outer 2.2 (2.2, 2.6, 2.1), DDP 2.1.
+    assert result["sync_gap_p64_outer"] == pytest.approx((2.2 - 2.1) / 2.1)
     assert result["best_at_100mbit"] == "average p64 outer"
-    # Times are medians over the seeds, a seed that never reaches the target counting as the latest.
-    assert result["time_to_target_s"]["100mbit"]["ddp"] == 80
-    assert result["time_to_target_s"]["100mbit"]["average p64 outer"] == pytest.approx(10 + 10 * 2 / 3)
-    assert result["best_time_to_target_vs_ddp_100mbit"] == pytest.approx((10 + 10 * 2 / 3) / 80)
+    # Times are medians over the seeds, a seed that never reaches the target counting as the latest:
+    # DDP 40, 40 and 40 + 40 * 0.1 / 0.4 s.
+    assert result["time_to_target_s"]["100mbit"]["ddp"] == 40
+    assert result["time_to_target_s"]["100mbit"]["average p64 outer"] == pytest.approx(15)
+    assert result["best_time_to_target_vs_ddp_100mbit"] == pytest.approx(15 / 40)
     assert fidelity.median_or_none([80, None, 70]) == 80 and fidelity.median_or_none([80, None, None]) is None
     assert result["time_to_target_s"]["100mbit"]["async p4"] is None
     # auto against the best fixed configuration in each condition, the worst of them.
-    assert result["auto_vs_best_fixed_by_condition"]["100mbit"] == pytest.approx(15 / (10 + 10 * 2 / 3))
-    unlimited = result["auto_vs_best_fixed_by_condition"]["unlimited"]
-    assert unlimited == pytest.approx((5 + 5 * 0.4 / 0.45) / 10)
-    assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx(max(unlimited, 15 / (10 + 10 * 2 / 3)))
+    assert result["auto_vs_best_fixed_by_condition"]["100mbit"] == pytest.approx((10 + 10 * 0.4 / 0.6) / 15)
+    assert result["auto_vs_best_fixed_by_condition"]["unlimited"] == pytest.approx(7.5 / 9)
+    assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx((10 + 10 * 0.4 / 0.6) / 15)
 
 
 def test_quick_judges_against_ddp_at_100mbit_and_plans_five_runs():
-    cells = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("auto", "100mbit", [(10, 2.3), (30, 2.0)]),
-             cell("average p64 outer", "100mbit", [(10, 2.3), (20, 2.0)])]
-    result = fidelity.headline(cells, quick=True)
-    assert result["target_from"].endswith("100mbit")
+    cells = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("auto", "100mbit", [(10, 2.9), (30, 2.0)]),
+             cell("average p64 outer", "100mbit", [(10, 2.7), (20, 2.0)])]
+    result = fidelity.headline(cells)
+    assert result["target_from"] == "DDP at 0.5 of its budget, 100mbit, the median of 1 run(s)"
     assert result["sync_gap_p64_outer"] == pytest.approx((2.0 - 2.1) / 2.1)
-    assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx((10 + 20 * 2 / 3) / (10 + 10 * 2 / 3))
+    assert result["auto_time_to_target_vs_best_fixed"] == pytest.approx((10 + 20 * 0.4 / 0.9) / (10 + 10 * 0.2 / 0.7))
     arguments = argparse.Namespace(quick=True, conditions="", only=None, seeds=3)
     assert [(c[0], c[1]) for c in fidelity.plan(arguments)] == [
         ("100mbit", "ddp"), ("100mbit", "average p16"), ("100mbit", "async p4"), ("100mbit", "easgd p16"),
@@ -76,10 +89,10 @@ def test_quick_judges_against_ddp_at_100mbit_and_plans_five_runs():
     grid = fidelity.plan(arguments)
     assert {seed for *_, seed in grid} == {0} and len(grid) == 2 * (1 + len(fidelity.CONFIGS))
     # Once the 100 Mbit/s row is measured, its seeds: DDP, p64 outer, auto and the best fixed there (by time
-    # to the target where one reaches it: here easgd, though p64 outer ends lower).
-    measured = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("auto", "100mbit", [(10, 2.3), (30, 2.0)]),
-                cell("average p64 outer", "100mbit", [(10, 2.3), (20, 1.9)]),
-                cell("easgd p16", "100mbit", [(10, 2.1), (20, 2.0)]), cell("async p4", "100mbit", [(5, 2.2)])]
+    # to the target, DDP's 2.5, where one reaches it: here easgd, though p64 outer ends lower).
+    measured = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.1)]), cell("auto", "100mbit", [(10, 2.7), (30, 2.0)]),
+                cell("average p64 outer", "100mbit", [(10, 2.6), (20, 1.9)]),
+                cell("easgd p16", "100mbit", [(10, 2.4), (20, 2.0)]), cell("async p4", "100mbit", [(5, 2.7)])]
     more = fidelity.seeded(arguments, measured)
     assert [(c[0], c[1], c[4]) for c in more] == [("100mbit", name, seed) for seed in (1, 2) for name in
                                                    ("ddp", "average p64 outer", "easgd p16", "auto")]
@@ -104,17 +117,17 @@ def test_the_picture_draws_a_line_per_run_and_a_panel_per_condition():
 
 def test_the_table_shows_each_configuration_against_ddp_in_its_condition():
     cells = [cell("ddp", "100mbit", [(40, 2.5), (80, 2.0)]), cell("ddp", "100mbit", [(40, 2.5), (80, 2.2)], seed=1),
-             cell("async p4", "100mbit", [(10, 2.9), (20, 2.5)]), cell("average p64", "100mbit", [(10, 2.3), (20, 1.9)]),
+             cell("async p4", "100mbit", [(10, 2.9), (20, 2.6)]), cell("average p64", "100mbit", [(10, 2.9), (20, 1.9)]),
              {"config": "auto", "condition": "100mbit", "seed": 0, "error": "TimeoutError: over 1800 s"}]
     for c in cells:
         c.setdefault("wall_s", c["curve"][-1]["seconds"] if "curve" in c else None)
-    result = {"cells": cells, **fidelity.headline(cells, quick=True)}
+    result = {"cells": cells, **fidelity.headline(cells)}
     lines = fidelity.table(result).splitlines()
-    assert lines[0] == "| 100mbit | runs | held-out loss | vs DDP | wall time | to 2.100 |"  # DDP's median end
+    assert lines[0] == "| 100mbit | runs | held-out loss | vs DDP | wall time | to 2.500 |"  # DDP's at half
     rows = [line.split(" | ") for line in lines[2:6]]
     assert [row[0] for row in rows] == ["| PyTorch DDP", "| `average p64`", "| `async p4`", "| `auto`"]
     assert rows[0][1:5] == ["2", "2.100", "1.000", "80 s"]
-    assert rows[1][2:6] == ["1.900", "0.905", "20 s", "15 s |"]  # 2.1 at 10 + 10 * (2.3 - 2.1) / (2.3 - 1.9) s
+    assert rows[1][2:6] == ["1.900", "0.905", "20 s", "14 s |"]  # 2.5 at 10 + 10 * (2.9 - 2.5) / (2.9 - 1.9) s
     assert rows[2][5] == "never |" and rows[3][2].startswith("failed: TimeoutError")
     assert "- `auto_time_to_target_vs_best_fixed`: null" in lines
 
@@ -137,7 +150,7 @@ def test_balance_plans_the_capacity_first_and_judges_each_run_against_it():
     assert result["capacity_samples_per_s"] == {"slow-host": 300.0, "quarter-host": 250.0}
     assert result["share_of_capacity"]["slow-host"] == {"ddp": pytest.approx(2 / 3), "allreduce balanced": 0.95}
     assert result["balanced_share_of_capacity"] == 0.95 and result["balanced_share_of_capacity_quarter"] == 0.8
-    assert fidelity.headline(cells, quick=False)["target_from"].endswith("slow-host")  # no unlimited row
+    assert "slow-host" in fidelity.headline(cells)["target_from"]  # no seeded row: DDP's first condition
     assert fidelity.balance_headline([c for c in cells if c["config"] != "alone"]) == {}
 
 
@@ -154,19 +167,31 @@ def test_the_references_run_on_the_batch_cut_by_the_hosts_speeds_and_are_judged_
         return {"condition": "slow-host", "config": name, "seed": 0, "steady_samples_per_s": rate, "cut": [41, 23]}
 
     cells = [alone[0], reference("lockstep", 266.0), reference("ddp balanced", 252.0),
-             dict(cell("allreduce balanced", "slow-host", [(30, 2.3)]), steady_samples_per_s=238.0),
+             dict(cell("allreduce balanced", "slow-host", [(30, 2.3)]), steady_samples_per_s=238.0, cut_held=[44, 20]),
              dict(alone[0], samples_per_s=280.0)]
     result = fidelity.balance_headline(cells)
     assert result["lockstep_share_of_capacity"] == pytest.approx(0.95)
     assert result["ddp_balanced_share_of_capacity"] == pytest.approx(0.9)
     assert result["balanced_share_of_capacity"] == pytest.approx(0.85)
+    # The cut each run trained on: the references' set, the balanced run's as held.
+    assert result["cut_runs"]["slow-host"] == {"lockstep": [[41, 23]], "ddp balanced": [[41, 23]],
+                                               "allreduce balanced": [[44, 20]]}
     document = dict(result, cells=cells, target_loss=None)
     lines = fidelity.table(document).splitlines()
-    assert "| slow-host: capacity 280 samples/s | share of capacity (median) | each run |" in lines
+    assert ("| slow-host: capacity 280 samples/s | share of capacity (median) | each run | "
+            "samples a step by host, each run |") in lines
+    assert "| `allreduce balanced` | 0.850 | 0.850 | 44/20 |" in lines
     shares = [line.split(" | ")[:2] for line in lines if line.startswith("| `")]
     # The held-out table has the balanced run alone (one run; the references have no curve); the shares, all three.
     assert shares == [["| `allreduce balanced`", "1"], ["| `lockstep`", "0.950"], ["| `ddp balanced`", "0.900"],
                       ["| `allreduce balanced`", "0.850"]]
+
+
+def test_the_cut_held_is_each_ranks_median_samples_a_step_after_its_first_quarter():
+    # Rank 0 starts at 32 and is moved to 44 (45 once), rank 1 the rest; the even start is left out.
+    first, second = [32, 32, 42, 44, 44, 45, 44, 44], [32, 32, 22, 20, 20, 19, 20, 20]
+    assert fidelity.held_cut([first, second]) == [44, 20]
+    assert fidelity.held_cut([[32], []]) == [32]  # a rank without steps has no share to tell
 
 
 def test_each_balanced_run_is_judged_against_the_capacity_measured_around_it():
