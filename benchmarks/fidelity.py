@@ -341,10 +341,10 @@ def run_workbench(client: Any, scratch: Path, strategy: str, settings: dict[str,
     ordered = frame.sort_values("time") if len(frame) else frame
     evaluated = [e["time"] for e in run.events("eval")]
     # Each worker's own steps (its intervals), the workers' speeds summed.
-    rates = [steady_rate(list(steps["time"]), list(steps["samples"]), evaluated)
-             for _, steps in ordered.groupby("worker")] if len(frame) else []
+    by_rank = [steps for _, steps in ordered.groupby("worker")] if len(frame) else []
+    rates = [steady_rate(list(steps["time"]), list(steps["samples"]), evaluated) for steps in by_rank]
     steady = sum(rates) if rates and None not in rates else None
-    held = held_cut([list(steps["samples"]) for _, steps in ordered.groupby("worker")]) if len(frame) else []
+    held = held_cut([list(steps["samples"]) for steps in by_rank])
     # What one exchange sends per worker, as sent: the median over the records that sent anything (a
     # sparse run's last average is whole, once).
     sent = frame["bytes_sent"].dropna() if "bytes_sent" in frame else []

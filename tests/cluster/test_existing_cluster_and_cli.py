@@ -10,7 +10,8 @@ import pytest
 import workbench
 from workbench.plane import deadline
 
-from helpers import cli_in_process, dask_cluster_on_loopback
+from helpers import cli_in_process, dask_cluster_on_loopback, wait_until
+from workbench.worker.host import HOUSEKEEPING_MS
 
 pytestmark = [pytest.mark.cluster]
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
@@ -24,9 +25,26 @@ def test_existing_cluster_started_with_dask_commands_trains_a_job(tmp_path):
         client = workbench.connect(scheduler=address, timeout_s=30)
         try:
             client.wait_for_workers(2, timeout=90)
-            job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, epochs=5)
+            names = (*HOUSEKEEPING_MS, "profile")
+
+            def _housekeeping(dask_worker):  # defined here: sent by value (the workers cannot import tests)
+                """A worker's timed housekeeping: callback name -> (interval in ms, running)."""
+                return {name: (callback.callback_time, callback.is_running())
+                        for name, callback in dask_worker.periodic_callbacks.items() if name in names}
+
+            before = client.run(_housekeeping)  # workers started with Dask's defaults
+            assert all(h["tick"] == (20, True) and h["profile"][1] for h in before.values()), before
+            job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, epochs=30)
             run = workbench.train(job, "allreduce", client=client, run_dir=tmp_path / "runs")
+            run.wait_for_step(5)
+            run.pause()  # held while the workers' housekeeping is read: the ranks are still in their task
+            # While a rank trains, its worker's profiler is stopped and its timers run at the quiet intervals.
+            quiet = {**{name: (ms, True) for name, ms in HOUSEKEEPING_MS.items()}, "profile": (10, False)}
+            wait_until(lambda: all(h == quiet for h in client.run(_housekeeping).values()), timeout_s=30, interval_s=0.2)
+            run.resume()
             assert run.wait(timeout=120) == "finished"
+            # And once it is done they run as before, for whatever the cluster does next.
+            wait_until(lambda: client.run(_housekeeping) == before, timeout_s=30, interval_s=0.2)
             assert run.config["scheduler"] == address
             assert run.evaluate()["accuracy"] >= 0.9
             # The CLI trains on the same cluster through --scheduler.

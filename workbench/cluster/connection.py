@@ -37,6 +37,7 @@ from distributed.system import MEMORY_LIMIT
 
 from workbench.cluster.restarts import keep_restarting_nannies
 from workbench.errors import ClusterError, ConfigError
+from workbench.worker.host import HOUSEKEEPING_MS
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -49,12 +50,13 @@ TRAINING_CONFIG: dict[str, Any] = {
     "distributed.worker.daemon": False,
     # Worker housekeeping competes with training on small machines (design.md section 5).
     "distributed.worker.profile.enabled": False,
-    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.admin.system-monitor.interval": f"{HOUSEKEEPING_MS['monitor']}ms",
     "distributed.admin.system-monitor.gil.enabled": False,
     # Every Dask process wakes its event loop every 20 ms only to warn when the loop was blocked, and
-    # checks memory every 100 ms; each wake-up contends for the GIL with the training thread.
-    "distributed.admin.tick.interval": "500ms",
-    "distributed.worker.memory.monitor-interval": "1s",
+    # checks memory every 100 ms; each wake-up contends for the GIL with the training thread. The same
+    # intervals as a training task sets on any worker (worker/host.py).
+    "distributed.admin.tick.interval": f"{HOUSEKEEPING_MS['tick']}ms",
+    "distributed.worker.memory.monitor-interval": f"{HOUSEKEEPING_MS['memory_monitor']}ms",
     # Dask sets MALLOC_TRIM_THRESHOLD_=65536 in workers to return memory to the OS eagerly. Setting it
     # disables glibc's adaptive mmap threshold, so every large gradient buffer is mmap'd and page-faulted
     # afresh each step: about 25% slower training steps, measured. Training workers keep glibc's default.

@@ -76,7 +76,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
     and a checkpoint to go on from). `resume_from`: the checkpoint, or where this worker keeps it."""
     secede()
     worker = get_worker()
-    allocator_tuned = configure_worker_for_training(worker)
+    allocator_tuned, restore_housekeeping = configure_worker_for_training(worker)
     send = _metrics_send(worker, task)
     sender = MetricsSender(send, task.rank, task.metrics_interval_s)
     key = worker.get_current_task()
@@ -137,6 +137,7 @@ def train_on_worker(task: WorkerTask, train_data: Any, eval_data: DataSource | N
                 _leave(loop)
             finally:
                 poller.close()
+                restore_housekeeping()
 
 
 def _metrics_send(worker: Any, task: WorkerTask) -> Any:
