@@ -34,7 +34,9 @@ def test_existing_cluster_started_with_dask_commands_trains_a_job(tmp_path):
 
             before = client.run(_housekeeping)  # workers started with Dask's defaults
             assert all(h["tick"] == (20, True) and h["profile"][1] for h in before.values()), before
-            job = workbench.Job(model=workbench.mlp(64, 10), data="digits", lr=0.1, momentum=0.9, epochs=30)
+            # Long enough (about 1,300 steps a worker) that the pause below lands while the ranks still train.
+            job = workbench.Job(model=workbench.mlp(64, 10), data="digits", batch_size=16, lr=0.1, momentum=0.9,
+                                epochs=30)
             run = workbench.train(job, "allreduce", client=client, run_dir=tmp_path / "runs")
             run.wait_for_step(5)
             run.pause()  # held while the workers' housekeeping is read: the ranks are still in their task
