@@ -68,6 +68,7 @@ def test_a_steps_record_splits_its_time_and_the_strategy_is_told_its_own_time_at
     assert record["compute_s"] == pytest.approx(0.4 - 0.15 - 0.02)
     assert record["comm_s"] == pytest.approx(0.15 + 0.03)  # the settling counts as communication
     assert record["wait_s"] == pytest.approx(0.05 - 0.03 + 0.02)  # and not also as waiting
+    assert record["settled_s"] == 0.03  # and is told apart: not hidden, though the exchange ended before the sync
     assert record["bytes_sent"] == 123 and record["samples"] == 4
     assert loop.step == 1 and loop.strategy.timed == []  # not told before its whole cycle is known
 

@@ -73,6 +73,8 @@ STRATEGY_FIELDS = {  # added by the strategies (and on GPUs by the loop), at the
     "steps_since_sync": "average: local steps since the last averaging",
     "divergence": "average: relative L2 distance from the mean weights at a sync",
     "exchange_s": "allreduce and average: how long the exchange took, whole (with overlap: in flight, whole)",
+    "settled_s": "average with overlap: the part of comm_s spent waiting for the exchange in flight at the "
+                 "control point one step before its sync (the rest of exchange_s ran hidden)",
     "clock": "parameter server: this rank's windows pushed",
     "staleness": "parameter server: server versions since this rank's weights",
     "server_version": "parameter server: the version its reply carried",

@@ -248,7 +248,7 @@ class Average(Strategy):
         started = time.perf_counter()
         self.comm.wait(self.exchange.work)  # decoded at the sync, as without a control point before it
         # Up to its end as its completion callback saw it: the step's record then counts it once, as
-        # waited for here (comm_s) or hidden (comm_total_s beyond comm_s).
+        # waited for here (comm_s, and on its own as settled_s) or hidden (comm_total_s beyond comm_s).
         waited = max(0.0, min(self.exchange.finished, time.perf_counter()) - started)
         self.settled_s += waited
         return waited

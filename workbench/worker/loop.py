@@ -325,6 +325,8 @@ class _Loop:
             "lr": context.optimizer.param_groups[0]["lr"],
             "strategy": self.strategy.name, "cpu_s": cpu_s,
         }
+        if settled_s:  # the part of comm_s that was an exchange finished at the control point, not hidden
+            record["settled_s"] = settled_s
         # Strategy-specific fields: steps_since_sync, divergence, staleness, bytes_sent, clock, ...
         record.update({k: v for k, v in after_step.items() if k not in ("comm_s", "wait_s")})
         if device.type == "cuda":
