@@ -2,11 +2,15 @@
 import contextlib
 import importlib
 import json
+import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -186,3 +190,27 @@ def ctrl_c_at_default() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn_ranks(target, world_size, *arguments, timeout_s=120):
+    """{rank: what `target(rank, *arguments, results)` put on the queue}, from `world_size` spawned processes,
+    each joined (or killed) before returning."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(rank, *arguments, results), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    try:
+        found = dict(results.get(timeout=timeout_s) for _ in processes)
+        for process in processes:
+            process.join(timeout=30)
+            assert process.exitcode == 0
+    except queue.Empty:
+        pytest.fail(f"the ranks did not report within {timeout_s} s")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    return found

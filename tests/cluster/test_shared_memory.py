@@ -8,10 +8,11 @@ import errno
 import glob
 import multiprocessing
 import os
-import queue
 
 import pytest
 import torch
+
+from helpers import spawn_ranks
 
 from workbench.comm import collectives, shared_memory
 
@@ -72,32 +73,8 @@ def _rank(rank, world_size, port, switch, no_room_at, results):
         results.put((rank, {"error": repr(error)}))
 
 
-def _spawn(target, world_size, *arguments):
-    """{rank: what `target(rank, *arguments, results)` put on the queue}, from `world_size` spawned processes,
-    each joined (or killed) before returning."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=target, args=(rank, *arguments, results), daemon=True)
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    try:
-        found = dict(results.get(timeout=TIMEOUT_S) for _ in processes)
-        for process in processes:
-            process.join(timeout=30)
-            assert process.exitcode == 0
-    except queue.Empty:
-        pytest.fail(f"the ranks did not report within {TIMEOUT_S} s")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    return found
-
-
 def _run(world_size, switch=None, no_room_at=None):
-    found = _spawn(_rank, world_size, world_size, collectives.find_free_port("127.0.0.1"), switch, no_room_at)
+    found = spawn_ranks(_rank, world_size, world_size, collectives.find_free_port("127.0.0.1"), switch, no_room_at)
     for rank, outcome in found.items():
         assert "error" not in outcome, f"rank {rank}: {outcome['error']}"
     return [found[rank] for rank in range(world_size)]
@@ -182,7 +159,7 @@ def _leaving_rank(rank, port, left, results):
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_slot_removed_by_a_rank_leaving_reads_as_that_peer_lost():
     left = multiprocessing.get_context("spawn").Event()
-    found = _spawn(_leaving_rank, 2, collectives.find_free_port("127.0.0.1"), left)
+    found = spawn_ranks(_leaving_rank, 2, collectives.find_free_port("127.0.0.1"), left)
     assert "failed" not in found[0] and "failed" not in found[1], found
     assert found[1]["sum"] == 2.0  # the rank that left had its sum
     # The one left behind: a peer lost (the worker loop leaves and waits for the client's verdict), naming

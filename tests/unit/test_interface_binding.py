@@ -31,3 +31,37 @@ def test_an_interface_that_does_not_exist_is_named_in_the_error(clean_environmen
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
     with pytest.raises(collectives.GroupFormationError, match="GLOO_SOCKET_IFNAME='nosuch0' names no interface"):
         collectives.advertised_address()
+
+
+def test_a_group_across_hosts_names_each_interface_once_per_connection_and_puts_the_name_back(
+        clean_environment, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,eth1")
+    with collectives.spread_over_sockets(3) as sockets:
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0,eth0,eth0,eth1,eth1,eth1"
+        assert sockets == 6
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0,eth1"
+    with collectives.spread_over_sockets(1) as sockets:  # every rank on this machine: one connection
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0,eth1" and sockets == 1
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    with collectives.spread_over_sockets(4) as sockets:  # gloo picks the interface itself: once
+        assert "GLOO_SOCKET_IFNAME" not in os.environ and sockets == 1
+
+
+def test_the_connections_per_peer_come_from_the_variable_and_a_bad_one_is_named(clean_environment, monkeypatch):
+    monkeypatch.delenv(collectives.SOCKETS_VARIABLE, raising=False)
+    assert collectives.sockets_per_peer() == collectives.DEFAULT_SOCKETS == 4
+    monkeypatch.setenv(collectives.SOCKETS_VARIABLE, "2")
+    assert collectives.sockets_per_peer() == 2
+    for bad in ("0", "17", "two", "1.5"):
+        monkeypatch.setenv(collectives.SOCKETS_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"WORKBENCH_GLOO_SOCKETS='{bad}' is not allowed: expected an "
+                                             f"integer from 1 to 16"):
+            collectives.sockets_per_peer()
+
+
+def test_a_sum_is_cut_in_one_piece_per_connection_none_under_a_quarter_megabyte():
+    quarter = collectives.MIN_PIECE_BYTES
+    assert collectives.pieces_for(7_450_000, 4) == 4
+    assert collectives.pieces_for(3 * quarter + 1, 4) == 3
+    assert collectives.pieces_for(quarter - 1, 4) == 1 and collectives.pieces_for(0, 4) == 1
+    assert collectives.pieces_for(7_450_000, 1) == 1
