@@ -59,9 +59,14 @@ def test_the_connections_per_peer_come_from_the_variable_and_a_bad_one_is_named(
             collectives.sockets_per_peer()
 
 
-def test_a_sum_is_cut_in_one_piece_per_connection_none_under_a_quarter_megabyte():
-    quarter = collectives.MIN_PIECE_BYTES
-    assert collectives.pieces_for(7_450_000, 4) == 4
-    assert collectives.pieces_for(3 * quarter + 1, 4) == 3
-    assert collectives.pieces_for(quarter - 1, 4) == 1 and collectives.pieces_for(0, 4) == 1
-    assert collectives.pieces_for(7_450_000, 1) == 1
+def test_a_sum_the_link_makes_slow_is_cut_in_one_piece_per_connection_none_under_a_quarter_megabyte():
+    quarter, slow = collectives.MIN_PIECE_BYTES, collectives.SLOW_SUM_S
+    thin = 2.5e6  # 20 Mbit/s: 7.45 MB take 3 s
+    assert collectives.pieces_for(7_450_000, 4, thin) == 4
+    assert collectives.pieces_for(3 * quarter + 1, 4, thin) == 3
+    assert collectives.pieces_for(quarter - 1, 4, 1.0) == 1 and collectives.pieces_for(0, 4, 1.0) == 1
+    assert collectives.pieces_for(7_450_000, 1, thin) == 1  # one connection: nothing to spread over
+    # A fast link or an untimed group: whole, however large.
+    assert collectives.pieces_for(7_450_000, 4, 7_450_000 / slow * 1.01) == 1
+    assert collectives.pieces_for(7_450_000, 4, 7_450_000 / slow * 0.99) == 4
+    assert collectives.pieces_for(7_450_000, 4, None) == 1

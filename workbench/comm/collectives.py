@@ -112,11 +112,12 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
                         bound_here="GLOO_SOCKET_IFNAME" in bound)
         token = shared_memory.agree_on_shared_memory(store, rank, world_size, advertised_address())
         backend = backend_for(device, _gpus_shared(store, rank, world_size, device))
-        with spread_over_sockets(sockets_per_peer() if backend == "gloo" and not token else 1) as sockets:
+        with spread_over_sockets(sockets_per_peer() if backend == "gloo" and world_size > 1 and not token else 1) as sockets:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
-        global _store, _reducer, _sockets
+        global _store, _reducer, _sockets, _link_bytes_per_s
         _store, _sockets = store, sockets
+        _link_bytes_per_s = time_the_link() if sockets > 1 else None
         _reducer = shared_memory.SharedMemoryReducer(token, rank, world_size) if token else None
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter
@@ -166,13 +167,21 @@ def await_listening(host: str, port: int, timeout_s: float) -> bool:
 # one TCP connection on a thin shaped link is held below its rate by its own losses and backoff, several
 # side by side fill it. Measured in the lab at 20 Mbit/s (two hosts, 7.45 MB summed, 10 runs each): one
 # connection 3.6-3.7 s a sum (the link's own time 3.1 s), the sum cut in four over four connections
-# 3.2-3.3 s; at 100 Mbit/s, 1 Gbit/s and unlimited the same either way. Gloo hands its collectives to
-# its connections in turn, so a sum cut in as many pieces travels over all of them (`start_all_reduce`).
+# 3.2-3.3 s; at 100 Mbit/s and 1 Gbit/s the same either way. Gloo hands its collectives to its connections
+# in turn, so a sum cut in as many pieces travels over all of them (`start_all_reduce`). Only a sum the
+# link makes slow is cut: on the lab's unlimited link, where a 7.45 MB sum takes milliseconds and the CPU
+# is the bound, cutting every sum cost `allreduce` 13% of its speed (7,870 samples/s against 8,867-9,427
+# whole). Which sums are slow comes from one probe sum timed as the group forms (`time_the_link`), the
+# slowest rank's time, so that every rank cuts every sum alike (a rank calling more all-reduces than
+# another would hang the group).
 SOCKETS_VARIABLE = "WORKBENCH_GLOO_SOCKETS"
 DEFAULT_SOCKETS = 4
 MAX_SOCKETS = 16
 MIN_PIECE_BYTES = 256 * 1024  # smaller pieces pay gloo's per-call cost for nothing a link would notice
+SLOW_SUM_S = 0.2  # a sum this long is the link's: a few more gloo calls (well under 1 ms each) cost nothing
+PROBE_BYTES = 256 * 1024  # the sum timed as a group across hosts forms: 0.1 s at 20 Mbit/s, 2 ms at 1 Gbit/s
 _sockets = 1  # connections per peer of the group in force (1 with every rank on this machine)
+_link_bytes_per_s: float | None = None  # the group's agreed sum rate, from `time_the_link` (None: not timed)
 
 
 def sockets_per_peer() -> int:
@@ -205,10 +214,26 @@ def spread_over_sockets(sockets: int) -> Iterator[int]:
         os.environ["GLOO_SOCKET_IFNAME"] = names
 
 
-def pieces_for(nbytes: int, sockets: int, min_piece_bytes: int = MIN_PIECE_BYTES) -> int:
-    """How many all-reduces a sum of `nbytes` is cut into over `sockets` connections: one per connection,
-    none smaller than `min_piece_bytes` (and one at least)."""
+def pieces_for(nbytes: int, sockets: int, link_bytes_per_s: float | None,
+               min_piece_bytes: int = MIN_PIECE_BYTES) -> int:
+    """How many all-reduces a sum of `nbytes` is cut into over `sockets` connections at the group's sum
+    rate (None: not timed): one per connection, none smaller than `min_piece_bytes`, when the sum would take
+    `SLOW_SUM_S` or more at that rate; else one."""
+    if not link_bytes_per_s or nbytes / link_bytes_per_s < SLOW_SUM_S:
+        return 1
     return max(1, min(sockets, nbytes // min_piece_bytes))
+
+
+def time_the_link() -> float:
+    """Every rank times one sum of `PROBE_BYTES` after a barrier; returns the group's rate from the slowest
+    rank's time, the same on every rank (one more sum of one number)."""
+    probe = torch.zeros(PROBE_BYTES // 4)
+    dist.barrier()
+    started = time.perf_counter()
+    dist.all_reduce(probe)
+    slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return PROBE_BYTES / max(slowest.item(), 1e-9)
 
 
 class PiecesWork:
@@ -337,8 +362,8 @@ def meet(point: int, give_up: Callable[[], bool]) -> bool:
 
 
 def destroy_process_group() -> None:
-    global _store, _reducer, _sockets
-    _store, _sockets = None, 1
+    global _store, _reducer, _sockets, _link_bytes_per_s
+    _store, _sockets, _link_bytes_per_s = None, 1, None
     if _reducer is not None:
         _reducer.close()
         _reducer = None
@@ -523,7 +548,8 @@ def start_all_reduce(vector: torch.Tensor, channel: int | None = None) -> Any:
     this machine, the sum goes through shared memory (`comm/shared_memory.py`) instead of gloo's sockets."""
     if channel is not None and _reducer is not None and vector.device.type == "cpu":
         return _reducer.start(vector, channel)
-    pieces = pieces_for(vector.numel() * vector.element_size(), _sockets) if vector.is_contiguous() else 1
+    nbytes = vector.numel() * vector.element_size()
+    pieces = pieces_for(nbytes, _sockets, _link_bytes_per_s) if vector.is_contiguous() else 1
     if pieces == 1:
         return dist.all_reduce(vector, async_op=True)
     # One all-reduce per connection: gloo hands consecutive collectives to its connections in turn.
