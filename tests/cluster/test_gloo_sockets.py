@@ -1,8 +1,8 @@
-"""Sums across hosts over several connections per peer (`collectives.spread_over_sockets`,
-`start_all_reduce`'s pieces) in real processes, each in a real gloo group formed by
-`collectives.init_process_group` with shared memory switched off, as ranks on different hosts are: the
-link's rate both ranks agree on, the pieces' sum against gloo's own in one call, fast sums left whole,
-the connections the group opened, the completion callback, and the variable a user may set.
+"""Sums across hosts over several connections per peer (`comm/connections.py`) in real processes, each in
+a real gloo group formed by `collectives.init_process_group` with shared memory switched off, as ranks on
+different hosts are: the figure both ranks agree on, slow sums cut in pieces from the use after that
+agreement and equal to gloo's own sum in one call, fast sums left whole, the connections the group
+opened, the completion callback, and the variable a user may set.
 """
 from __future__ import annotations
 
@@ -13,38 +13,42 @@ import pytest
 import torch
 
 from helpers import spawn_ranks
-from workbench.comm import collectives, shared_memory
+from workbench.comm import collectives, connections, shared_memory
 
 TIMEOUT_S = 120
+USES = 4
+SIZES = {0: 786_433, 1: 1_000, 2: 70_000}  # channel -> elements: 3 MB (may be cut), 4 kB and 280 kB (whole)
 
 
 def _rank(rank, world_size, port, sockets, slow_sum_s, results):
     os.environ[shared_memory.SWITCH_VARIABLE] = "0"  # every sum through gloo, as between two hosts
     if sockets is not None:
-        os.environ[collectives.SOCKETS_VARIABLE] = sockets
-    collectives.SLOW_SUM_S = slow_sum_s  # loopback is never slow: 0 makes every sum one to cut
+        os.environ[connections.SOCKETS_VARIABLE] = sockets
+    connections.SLOW_SUM_S = slow_sum_s  # loopback is never slow: 0 makes every agreed sum one to cut
     torch.set_num_threads(1)
     try:
         collectives.init_process_group("127.0.0.1", port, rank, world_size, torch.device("cpu"), 60,
                                        own_host="127.0.0.1")
-        outcome = {"sockets": collectives._sockets, "group_sockets": len(collectives._group_sockets),
-                   "rate": collectives._link_bytes_per_s,
-                   "interface_after": os.environ.get("GLOO_SOCKET_IFNAME"), "mismatches": [], "kinds": set()}
+        cutter = collectives._cutter
+        outcome = {"sockets": cutter.sockets if cutter else 1, "group_sockets": len(collectives._group_sockets),
+                   "interface_after": os.environ.get("GLOO_SOCKET_IFNAME"), "mismatches": [],
+                   "kinds": {channel: [] for channel in SIZES}}
         generator = torch.Generator().manual_seed(2000 + rank)
-        for size in (786_433, 1_000, 70_000):  # 3 MB (cut in pieces), 4 kB and 280 kB (whole)
-            vector = torch.randn(size, generator=generator)
-            reference = vector.clone()
-            done = threading.Event()
-            work = collectives.start_all_reduce(vector)
-            collectives.when_done(work, lambda _future: done.set())
-            outcome["kinds"].add(type(work).__name__)
-            collectives.wait(work)
-            torch.distributed.all_reduce(reference)  # gloo's own sum, in one call on one connection
-            if not torch.equal(vector, reference):
-                outcome["mismatches"].append((size, (vector - reference).abs().max().item()))
-            if not done.wait(timeout=30):
-                outcome["mismatches"].append((size, "the completion callback never ran"))
-        outcome["kinds"] = sorted(outcome["kinds"])
+        for use in range(USES):
+            for channel, size in SIZES.items():
+                vector = torch.randn(size, generator=generator)
+                reference = vector.clone()
+                done = threading.Event()
+                work = collectives.start_all_reduce(vector, channel=channel)
+                collectives.when_done(work, lambda _future: done.set())
+                outcome["kinds"][channel].append(type(work).__name__)
+                collectives.wait(work)
+                torch.distributed.all_reduce(reference)  # gloo's own sum, in one call on one connection
+                if not torch.equal(vector, reference):
+                    outcome["mismatches"].append((use, channel, (vector - reference).abs().max().item()))
+                if not done.wait(timeout=30):
+                    outcome["mismatches"].append((use, channel, "the completion callback never ran"))
+        outcome["agreed_s"] = {c: s.agreed_s for c, s in cutter.channels.items()} if cutter else None
         collectives.destroy_process_group()
         results.put((rank, outcome))
     except BaseException as error:
@@ -61,19 +65,23 @@ def _run(sockets, slow_sum_s=0.0):
 @pytest.mark.timeout(3 * TIMEOUT_S + 60)
 def test_a_slow_sum_travels_in_pieces_over_four_connections_and_equals_gloos_own():
     spread, fast, single = _run(None), _run(None, slow_sum_s=1e9), _run("1")
-    # Both ranks agree on the link's rate (each cuts a sum as the other does, or the group would hang).
+    # Both ranks agree on each channel's figure (each cuts a sum as the other does, or the group would hang).
     for outcomes in (spread, fast):
-        assert outcomes[0]["rate"] == outcomes[1]["rate"] > 0
+        assert outcomes[0]["agreed_s"] == outcomes[1]["agreed_s"]
+        assert sorted(outcomes[0]["agreed_s"]) == [0, 1, 2] and all(s > 0 for s in outcomes[0]["agreed_s"].values())
+    whole = ["Work"] * USES
     for outcome in spread:
-        assert outcome["sockets"] == collectives.DEFAULT_SOCKETS == 4
-        assert outcome["kinds"] == ["PiecesWork", "Work"]  # the 3 MB sum in pieces, the small ones whole
+        assert outcome["sockets"] == connections.DEFAULT_SOCKETS == 4
+        # Agreed at the second use, read at the third: the 3 MB sum in pieces from then on.
+        assert outcome["kinds"] == {0: ["Work", "Work", "PiecesWork", "PiecesWork"], 1: whole, 2: whole}
         assert outcome["mismatches"] == []
         assert outcome["interface_after"] is None  # the worker outlives the run: nothing left set
     for outcome in fast:  # no sum the link makes slow: every one whole, over the four connections
-        assert outcome["sockets"] == 4 and outcome["kinds"] == ["Work"] and outcome["mismatches"] == []
+        assert outcome["sockets"] == 4 and outcome["kinds"] == {0: whole, 1: whole, 2: whole}
+        assert outcome["mismatches"] == []
     for outcome in single:
-        assert outcome["sockets"] == 1 and outcome["rate"] is None
-        assert outcome["kinds"] == ["Work"] and outcome["mismatches"] == []
+        assert outcome["sockets"] == 1 and outcome["agreed_s"] is None
+        assert outcome["kinds"] == {0: whole, 1: whole, 2: whole} and outcome["mismatches"] == []
     # Each rank holds one end of each connection to its peer: three more with four than with one.
     for rank in range(2):
         assert spread[rank]["group_sockets"] - single[rank]["group_sockets"] == 3

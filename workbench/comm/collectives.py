@@ -3,7 +3,6 @@ the engine uses. gloo on CPU, NCCL on GPU; explicit rank, world size, address an
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import json
@@ -12,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -20,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import shared_memory
+from workbench.comm.connections import SumCutter, sockets_per_peer, spread_over_sockets
 from workbench.comm.averaging import flatten, unflatten_into
-from workbench.errors import ConfigError, TrainingError
+from workbench.errors import TrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,9 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
         with spread_over_sockets(sockets_per_peer() if backend == "gloo" and world_size > 1 and not token else 1) as sockets:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
-        global _store, _reducer, _sockets, _link_bytes_per_s
-        _store, _sockets = store, sockets
-        _link_bytes_per_s = time_the_link() if sockets > 1 else None
+        global _store, _reducer, _cutter
+        _store = store
+        _cutter = SumCutter(sockets) if sockets > 1 else None
         _reducer = shared_memory.SharedMemoryReducer(token, rank, world_size) if token else None
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter
@@ -161,94 +161,6 @@ def await_listening(host: str, port: int, timeout_s: float) -> bool:
             time.sleep(STORE_RETRY_S)  # a port that is not open yet: nothing to wait on
         except OSError:
             return True
-
-
-# Connections each rank keeps to each other rank for gloo across hosts, as NCCL's `NCCL_NSOCKS_PERTHREAD`:
-# one TCP connection on a thin shaped link is held below its rate by its own losses and backoff, several
-# side by side fill it. Measured in the lab at 20 Mbit/s (two hosts, 7.45 MB summed, 10 runs each): one
-# connection 3.6-3.7 s a sum (the link's own time 3.1 s), the sum cut in four over four connections
-# 3.2-3.3 s; at 100 Mbit/s and 1 Gbit/s the same either way. Gloo hands its collectives to its connections
-# in turn, so a sum cut in as many pieces travels over all of them (`start_all_reduce`). Only a sum the
-# link makes slow is cut: on the lab's unlimited link, where a 7.45 MB sum takes milliseconds and the CPU
-# is the bound, cutting every sum cost `allreduce` 13% of its speed (7,870 samples/s against 8,867-9,427
-# whole). Which sums are slow comes from one probe sum timed as the group forms (`time_the_link`), the
-# slowest rank's time, so that every rank cuts every sum alike (a rank calling more all-reduces than
-# another would hang the group).
-SOCKETS_VARIABLE = "WORKBENCH_GLOO_SOCKETS"
-DEFAULT_SOCKETS = 4
-MAX_SOCKETS = 16
-MIN_PIECE_BYTES = 256 * 1024  # smaller pieces pay gloo's per-call cost for nothing a link would notice
-SLOW_SUM_S = 0.2  # a sum this long is the link's: a few more gloo calls (well under 1 ms each) cost nothing
-PROBE_BYTES = 256 * 1024  # the sum timed as a group across hosts forms: 0.1 s at 20 Mbit/s, 2 ms at 1 Gbit/s
-_sockets = 1  # connections per peer of the group in force (1 with every rank on this machine)
-_link_bytes_per_s: float | None = None  # the group's agreed sum rate, from `time_the_link` (None: not timed)
-
-
-def sockets_per_peer() -> int:
-    """The connections per peer a group across hosts opens: `WORKBENCH_GLOO_SOCKETS`, else 4."""
-    value = os.environ.get(SOCKETS_VARIABLE)
-    if value is None:
-        return DEFAULT_SOCKETS
-    try:
-        sockets = int(value)
-    except ValueError:
-        sockets = 0
-    if not 1 <= sockets <= MAX_SOCKETS:
-        raise ConfigError(SOCKETS_VARIABLE, value, f"an integer from 1 to {MAX_SOCKETS}")
-    return sockets
-
-
-@contextlib.contextmanager
-def spread_over_sockets(sockets: int) -> Iterator[int]:
-    """While a gloo group forms: every interface `GLOO_SOCKET_IFNAME` names, named `sockets` times (gloo
-    opens one connection per peer for each name); yields the connections per peer the group will have.
-    Without a named interface gloo picks one itself, once."""
-    names = os.environ.get("GLOO_SOCKET_IFNAME")
-    if sockets == 1 or not names:
-        yield 1
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = ",".join(name for name in names.split(",") for _ in range(sockets))
-    try:
-        yield sockets * len(names.split(","))
-    finally:
-        os.environ["GLOO_SOCKET_IFNAME"] = names
-
-
-def pieces_for(nbytes: int, sockets: int, link_bytes_per_s: float | None,
-               min_piece_bytes: int = MIN_PIECE_BYTES) -> int:
-    """How many all-reduces a sum of `nbytes` is cut into over `sockets` connections at the group's sum
-    rate (None: not timed): one per connection, none smaller than `min_piece_bytes`, when the sum would take
-    `SLOW_SUM_S` or more at that rate; else one."""
-    if not link_bytes_per_s or nbytes / link_bytes_per_s < SLOW_SUM_S:
-        return 1
-    return max(1, min(sockets, nbytes // min_piece_bytes))
-
-
-def time_the_link() -> float:
-    """Every rank times one sum of `PROBE_BYTES` after a barrier; returns the group's rate from the slowest
-    rank's time, the same on every rank (one more sum of one number)."""
-    probe = torch.zeros(PROBE_BYTES // 4)
-    dist.barrier()
-    started = time.perf_counter()
-    dist.all_reduce(probe)
-    slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return PROBE_BYTES / max(slowest.item(), 1e-9)
-
-
-class PiecesWork:
-    """The all-reduces of one vector's pieces, waited for (and watched) as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
 class GroupFormationError(TrainingError):
@@ -362,8 +274,8 @@ def meet(point: int, give_up: Callable[[], bool]) -> bool:
 
 
 def destroy_process_group() -> None:
-    global _store, _reducer, _sockets, _link_bytes_per_s
-    _store, _sockets, _link_bytes_per_s = None, 1, None
+    global _store, _reducer, _cutter
+    _store, _cutter = None, None
     if _reducer is not None:
         _reducer.close()
         _reducer = None
@@ -387,6 +299,8 @@ _claimed = False  # a task of this process is forming or holds the process group
 _store: Any = None  # the process group's store while this process belongs to one (`meet`)
 # Sums through /dev/shm while every rank of the group is on this machine (`start_all_reduce` with a channel).
 _reducer: shared_memory.SharedMemoryReducer | None = None
+# Across hosts, with several connections per peer: which sums go in pieces (`start_all_reduce` with a channel).
+_cutter: SumCutter | None = None
 
 
 # The sockets the process group opened (gloo's connections to its peers and the store's): descriptor ->
@@ -545,15 +459,13 @@ def start_all_reduce(vector: torch.Tensor, channel: int | None = None) -> Any:
 
     `channel` (a number the caller keeps for this buffer, the same on every rank) promises that it has at
     most one sum in flight and is waited for with `wait` before its next use: then, when every rank is on
-    this machine, the sum goes through shared memory (`comm/shared_memory.py`) instead of gloo's sockets."""
+    this machine, the sum goes through shared memory (`comm/shared_memory.py`) instead of gloo's sockets,
+    and across hosts a sum the link makes slow is cut over the group's connections (`comm/connections.py`)."""
     if channel is not None and _reducer is not None and vector.device.type == "cpu":
         return _reducer.start(vector, channel)
-    nbytes = vector.numel() * vector.element_size()
-    pieces = pieces_for(nbytes, _sockets, _link_bytes_per_s) if vector.is_contiguous() else 1
-    if pieces == 1:
-        return dist.all_reduce(vector, async_op=True)
-    # One all-reduce per connection: gloo hands consecutive collectives to its connections in turn.
-    return PiecesWork([dist.all_reduce(piece, async_op=True) for piece in vector.view(-1).tensor_split(pieces)])
+    if channel is not None and _cutter is not None:  # across hosts: a slow sum over every connection
+        return _cutter.start(vector, channel, wait)
+    return dist.all_reduce(vector, async_op=True)
 
 
 def start_all_gather(part: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
