@@ -1,7 +1,8 @@
 """The per-host metrics relay (workbench/plane/relay.py) on the session cluster: a rank's messages through
 a relay on another worker arrive as `batches` messages in order, with none lost, and straight from the rank
 when the relay cannot be reached; a run large enough to relay trains with every record kept (which rank
-relays for which: tests/unit/test_metrics_relay.py)."""
+relays for which: tests/unit/test_metrics_relay.py); a record the run's client publishes right after
+subscribing to its topic is kept, once."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,13 @@ def _send_through(relay: str, topic_name: str, count: int) -> bool:
     for step in range(count):
         sender({"kind": kinds.STEPS, "rank": 7, "records": [{"worker": 7, "step": step, "time": 0.0}]})
     return sender.close(30)
+
+
+def _log_from_a_worker(topic_name: str, message: dict) -> bool:
+    from distributed import get_worker
+
+    get_worker().log_event(topic_name, message)
+    return True
 
 
 def _install(dask_worker) -> None:
@@ -81,3 +89,33 @@ def test_a_run_large_enough_to_relay_keeps_every_record(client, run_dir):
         mine = steps[steps["worker"] == rank]["step"]
         assert count > 0 and sorted(mine) == list(range(count)), rank
     assert run.evaluate()["accuracy"] >= 0.9
+
+
+@pytest.mark.timeout(120)
+def test_a_record_published_right_after_subscribing_is_kept_once(client, tmp_path):
+    from workbench.plane.metrics import MetricsTable
+    from workbench.plane.rundir import RunDirectory, read_metrics
+    from workbench.run.feed import RunFeed
+
+    feed = RunFeed(MetricsTable())
+    directory = RunDirectory(tmp_path / "run")
+    feed.open(client, "published-right-after-subscribing", directory)
+    name = topic(feed.run_id)
+    # As a run starts: subscribe (on the client's batched stream), then publish at once (a direct call),
+    # which may reach the scheduler before the subscription does.
+    client.subscribe_topic(name, feed.on_message)
+    try:
+        feed.publish({"kind": kinds.GENERATION_STARTED, "time": 1.0, "generation": 0, "workers": []})
+        # Sent from a task, so after the subscription: heard here, and after the first record's echo
+        # when one comes (the scheduler sends this client its events in order).
+        finished = {"kind": kinds.WORKER_FINISHED, "rank": 0, "generation": 0, "steps": 0}
+        assert client.submit(_log_from_a_worker, name, finished, pure=False).result(60)
+        wait_until(lambda: feed.table.events(kinds.WORKER_FINISHED))
+    finally:
+        client.unsubscribe_topic(name)
+        directory.close()
+    assert [e["generation"] for e in feed.table.events(kinds.GENERATION_STARTED)] == [0]
+    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == [kinds.GENERATION_STARTED, kinds.WORKER_FINISHED]
+    # It also went out to every other viewer: the scheduler's log of the topic has it once.
+    assert [message["kind"] for _, message in client.get_events(name)] == [kinds.GENERATION_STARTED,
+                                                                          kinds.WORKER_FINISHED]

@@ -171,6 +171,65 @@ def test_the_runs_feed_takes_each_message_a_batches_message_carries(tmp_path):
         ("step", 3), ("step", 3), (kinds.WORKER_FINISHED, 5)]
 
 
+class _Scheduler:
+    """A client's `log_event` as far as the feed sees it: the echo (msgpack's round trip, as the scheduler
+    sends it) comes back when the subscription has reached the scheduler, none before, an error when
+    the scheduler cannot be reached."""
+
+    def __init__(self, feed, subscribed=True, reachable=True):
+        self.feed, self.subscribed, self.reachable, self.sent = feed, subscribed, reachable, []
+
+    def log_event(self, topic, message):
+        import msgpack
+
+        if not self.reachable:
+            raise OSError("scheduler unreachable")
+        self.sent.append(message)
+        if self.subscribed:
+            self.feed.on_message((0.0, msgpack.unpackb(msgpack.packb(message))))
+
+
+@pytest.mark.parametrize("subscribed", [True, False], ids=["echoed", "sent-before-the-subscription"])
+def test_a_record_of_the_clients_own_is_kept_once_whether_or_not_its_echo_comes(tmp_path, subscribed):
+    from workbench.plane import kinds
+    from workbench.plane.rundir import RunDirectory, read_metrics
+    from workbench.run.feed import RunFeed
+
+    feed = RunFeed(MetricsTable())
+    directory = RunDirectory(tmp_path / "run")
+    scheduler = _Scheduler(feed, subscribed=subscribed)
+    feed.open(scheduler, "run", directory)
+    started = {"kind": kinds.GENERATION_STARTED, "time": 5.0, "generation": 0, "workers": ("a", "b")}
+    warning = {"kind": "loss-warning", "time": 6.0, "loss": float("nan")}  # NaN: unequal to itself
+    feed.publish(started)
+    feed.publish(warning)
+    feed.publish(started)  # the same record twice is kept twice
+    # Another client's record of the same kind on the topic is not this client's echo.
+    other = {"kind": kinds.GENERATION_STARTED, "time": 5.0, "generation": 1, "workers": ["a", "b"]}
+    feed.on_message((0.0, other))
+    directory.close()
+    assert len(scheduler.sent) == 3  # every record also went out to the other viewers
+    kept = [(r["kind"], r.get("generation")) for r in read_metrics(tmp_path / "run")]
+    assert kept == [(kinds.GENERATION_STARTED, 0), ("loss-warning", None), (kinds.GENERATION_STARTED, 0),
+                    (kinds.GENERATION_STARTED, 1)]
+    assert [e["generation"] for e in feed.table.events(kinds.GENERATION_STARTED)] == [0, 0, 1]
+
+
+def test_a_record_of_the_clients_own_is_kept_when_the_scheduler_is_unreachable(tmp_path):
+    from workbench.plane.rundir import RunDirectory, read_metrics
+    from workbench.run.feed import RunFeed
+
+    feed = RunFeed(MetricsTable())
+    directory = RunDirectory(tmp_path / "run")
+    feed.open(_Scheduler(feed, reachable=False), "run", directory)
+    lost = {"kind": "worker-lost", "time": 1.0, "rank": 1}
+    feed.publish(lost)
+    # No echo of it will come: the same record heard later (a resumed client's) is not taken for one.
+    feed.on_message((0.0, dict(lost)))
+    directory.close()
+    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["worker-lost", "worker-lost"]
+
+
 def test_a_record_of_the_clients_own_goes_out_in_the_form_the_scheduler_carries():
     import numpy as np
     import torch

@@ -122,7 +122,8 @@ class SumCutter:
         else:  # one all-reduce per connection: gloo hands consecutive collectives to its connections in turn
             work = PiecesWork([dist.all_reduce(piece, async_op=True)
                                for piece in vector.view(-1).tensor_split(pieces)])
-        work.get_future().add_done_callback(lambda _future: setattr(state, "last_s", time.perf_counter() - started))
+        if state.uses % AGREE_EVERY == 0:  # the sum the next use votes with: timed; the others need not be
+            work.get_future().add_done_callback(lambda _future: setattr(state, "last_s", time.perf_counter() - started))
         if state.uses % AGREE_EVERY == 1:
             # The shortest rank's figure: the rank that started last waited for no peer, so its sum took
             # what the link took; a rank that started earlier also counts its wait for a slower peer.

@@ -8,6 +8,8 @@ call (publishing a warning, fetching a checkpoint) is queued for the supervisor'
 """
 from __future__ import annotations
 
+import collections
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,10 @@ class RunFeed:
         self.on_checkpoint_ready: Callable[[dict[str, Any]], None] = lambda message: None
         self.exports: Any = None  # export.Exports, when the run exports to TensorBoard or MLflow
         self._warnings: SimpleQueue = SimpleQueue()
+        # The client's own records sent and not yet heard back, in their JSON form (NaN equal to itself):
+        # they are kept at once by `publish`, so their echo is dropped.
+        self._unechoed: collections.deque[str] = collections.deque(maxlen=1000)
+        self._unechoed_lock = threading.Lock()
 
     def open(self, client: Any, run_id: str, directory: Any) -> None:
         self.client, self.run_id, self.directory = client, run_id, directory
@@ -47,7 +53,18 @@ class RunFeed:
     def on_message(self, event: tuple[float, dict[str, Any]]) -> None:
         # Runs on the client's IO-loop thread: store and append, nothing blocking.
         for message in messages_in(event[1]):
-            self._on_one(message)
+            if not self._own_echo(message):
+                self._on_one(message)
+
+    def _own_echo(self, message: dict[str, Any]) -> bool:
+        if not self._unechoed or message.get("kind") in (kinds.STEPS, kinds.BATCHES):  # workers' alone
+            return False
+        form = json.dumps(message, sort_keys=True, default=str)
+        with self._unechoed_lock:
+            if form not in self._unechoed:
+                return False
+            self._unechoed.remove(form)
+            return True
 
     def _on_one(self, message: dict[str, Any]) -> None:
         records = expand(message)
@@ -71,13 +88,21 @@ class RunFeed:
             self.changed.notify_all()
 
     def publish(self, message: dict[str, Any]) -> None:
-        """A record of the client's own on the run's topic, so that the run directory and every viewer
-        get it; kept here directly when the scheduler is unreachable."""
+        """A record of the client's own: kept here at once, and sent on the run's topic so that every other
+        viewer gets it. Not kept from its echo: the subscription travels on the client's batched stream
+        while `log_event` is a direct call, so a record sent right after subscribing can reach the
+        scheduler first and is then never echoed (a run's first `generation-started` went missing so)."""
         message = wire_form(message)  # as every viewer reads it, this client included
+        form = json.dumps(message, sort_keys=True, default=str)
+        with self._unechoed_lock:
+            self._unechoed.append(form)
+        self._on_one(message)
         try:
             self.client.log_event(topic(self.run_id), message)
-        except Exception:
-            self.on_message((time.time(), message))
+        except Exception:  # the scheduler is unreachable: no echo will come
+            with self._unechoed_lock:
+                if form in self._unechoed:
+                    self._unechoed.remove(form)
 
     def wait_for_ranks(self, ranks: int, timeout: float) -> None:
         """Wait (at most `timeout`) for `ranks` ranks' last messages: they may trail their results."""
@@ -93,18 +118,10 @@ class RunFeed:
                 return taken
 
     def publish_warnings(self) -> None:
+        """The loss and link watches' warnings, queued on the IO-loop thread, kept and sent from here."""
         for warning in self._taken_warnings():
             self.publish(warning)
 
-    def publish_leftover_warnings(self) -> None:
-        """Warnings from the last records, once this client no longer hears its own topic: kept here
-        directly, and sent for the other viewers."""
-        for warning in map(wire_form, self._taken_warnings()):
-            self.on_message((time.time(), warning))
-            try:
-                self.client.log_event(topic(self.run_id), warning)
-            except Exception:
-                pass
 
 
 def announce(client: Any, message: dict[str, Any]) -> None:

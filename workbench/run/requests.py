@@ -15,7 +15,6 @@ from typing import Any
 from workbench.cluster.announcements import CONTROL_ACTIONS, requests_topic
 from workbench.errors import ConfigError
 from workbench.plane import kinds
-from workbench.plane.metrics import topic
 
 
 class RequestServer:
@@ -54,7 +53,4 @@ class RequestServer:
             outcome = {"ok": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
         message = {"kind": kinds.CONTROL_REQUEST, "time": time.time(), "action": action, "arguments": arguments,
                    "by": request.get("by"), "request_id": request.get("request_id"), **outcome}
-        try:
-            run.client.log_event(topic(run.run_id), message)
-        except Exception:
-            run.feed.on_message((time.time(), message))
+        run.feed.publish(message)

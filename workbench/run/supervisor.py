@@ -328,7 +328,7 @@ class Supervisor:
                     run.client.unsubscribe_topic(name)
                 except Exception:
                     pass
-            run.feed.publish_leftover_warnings()
+            run.feed.publish_warnings()  # the last records' warnings
             run.control.delete()
         run.lifecycle.move(status)
         if status != "failed" and run.final_weights is not None:
