@@ -214,3 +214,22 @@ def spawn_ranks(target, world_size, *arguments, timeout_s=120):
                 process.kill()
                 process.join(timeout=10)
     return found
+
+
+def sum_through_channel(vector, channel):
+    """Sum `vector` in place through `collectives.start_all_reduce` on `channel` (in a rank process of a
+    group); returns (the work's kind, its sum as gloo computes it from the vector as it was, whether the
+    completion callback ran)."""
+    import threading
+
+    import torch
+
+    from workbench.comm import collectives
+
+    reference = vector.clone()
+    done = threading.Event()
+    work = collectives.start_all_reduce(vector, channel=channel)
+    collectives.when_done(work, lambda _future: done.set())
+    collectives.wait(work)
+    torch.distributed.all_reduce(reference)  # gloo's own sum, in one call
+    return work, reference, done.wait(timeout=30)

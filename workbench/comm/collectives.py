@@ -115,9 +115,10 @@ def init_process_group(host: str, port: int, rank: int, world_size: int, device:
         with spread_over_sockets(sockets_per_peer() if backend == "gloo" and world_size > 1 and not token else 1) as sockets:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
-        global _store, _reducer, _cutter
-        _store = store
-        _cutter = SumCutter(sockets) if sockets > 1 else None
+        global _store, _reducer, _cutter, _timeout_s
+        _store, _timeout_s = store, timeout_s
+        # Across hosts on gloo (no shared memory): sums cut over the connections, or coded on thin links.
+        _cutter = SumCutter(sockets, lambda: _timeout_s) if backend == "gloo" and world_size > 1 and not token else None
         _reducer = shared_memory.SharedMemoryReducer(token, rank, world_size) if token else None
     except BaseException:
         # torch numbers its groups before building them: a group that failed to form left the counter
@@ -275,6 +276,8 @@ def meet(point: int, give_up: Callable[[], bool]) -> bool:
 
 def destroy_process_group() -> None:
     global _store, _reducer, _cutter
+    if _cutter is not None:
+        _cutter.close()
     _store, _cutter = None, None
     if _reducer is not None:
         _reducer.close()
@@ -301,6 +304,7 @@ _store: Any = None  # the process group's store while this process belongs to on
 _reducer: shared_memory.SharedMemoryReducer | None = None
 # Across hosts, with several connections per peer: which sums go in pieces (`start_all_reduce` with a channel).
 _cutter: SumCutter | None = None
+_timeout_s = 0.0  # the group's collective timeout in force (`set_timeout`): coded sums wait as long at most
 
 
 # The sockets the process group opened (gloo's connections to its peers and the store's): descriptor ->
@@ -460,7 +464,8 @@ def start_all_reduce(vector: torch.Tensor, channel: int | None = None) -> Any:
     `channel` (a number the caller keeps for this buffer, the same on every rank) promises that it has at
     most one sum in flight and is waited for with `wait` before its next use: then, when every rank is on
     this machine, the sum goes through shared memory (`comm/shared_memory.py`) instead of gloo's sockets,
-    and across hosts a sum the link makes slow is cut over the group's connections (`comm/connections.py`)."""
+    and across hosts a sum the link makes slow is cut over the group's connections, or coded on a thin link
+    (`comm/connections.py`)."""
     if channel is not None and _reducer is not None and vector.device.type == "cpu":
         return _reducer.start(vector, channel)
     if channel is not None and _cutter is not None:  # across hosts: a slow sum over every connection
@@ -482,8 +487,10 @@ def when_done(work: Any, callback: Callable[[Any], Any]) -> None:
 
 def set_timeout(timeout_s: float) -> None:
     """The longest this rank's collectives wait for the others from now on (the run's timeout in force)."""
+    global _timeout_s
     if dist.is_initialized():
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        _timeout_s = timeout_s
 
 
 @_blocking

@@ -9,13 +9,16 @@ from a post-accumulate-grad hook as soon as its last gradient is ready, so commu
 overlaps the backward pass of early ones; `after_backward` waits for what is still in flight, and that
 wait is the communication time the step actually pays. Each bucket is a channel of its own
 (`Transport.start_all_reduce`): with every worker on one machine its sum goes through shared memory
-(`comm/shared_memory.py`), not gloo's loopback sockets.
+(`comm/shared_memory.py`), not gloo's loopback sockets; across hosts, on a thin link, it goes coded
+(`comm/coded_sum.py`): the same floats, bit for bit, for about 0.84 of the bytes, which is what puts
+`allreduce` ahead of DDP where both are bound by the link (DDP sends gloo's raw floats).
 
 `wire_dtype` fp16/bf16 (live) puts each bucket on the wire in half precision, as PyTorch DDP's
 `fp16_compress_hook`/`bf16_compress_hook` do: divided by the world size first (so the sum cannot
 overflow fp16), cast into a half-precision wire buffer, summed, cast back into the gradients. gloo on
 CPU sums float16 and bfloat16 natively (checked with torch 2.13), so no all-gather workaround is needed.
-`bytes_sent` per step is what a ring all-reduce of the buckets sends per worker (half with fp16/bf16).
+`bytes_sent` per step is what a ring all-reduce of the buckets sends per worker (half with fp16/bf16), or
+for a bucket coded across a thin link (`comm/connections.py`), the coded bytes it sent.
 
 `balance` (live) cuts each step's global batch in proportion to the workers' measured speeds
 (`strategies/balance.py`) and weights each rank's gradients by its share: on mixed hardware no worker
@@ -182,14 +185,17 @@ class AllReduce(Strategy):
         for bucket in self.buckets:
             if bucket.work is None:  # some parameter got no gradient this step: its zeros still count
                 self._launch(bucket)
-        sent = 0
+        ring, coded = 0, 0
         for bucket in self.buckets:
             self.comm.wait(bucket.work)
             if bucket.in_flight is not bucket.buffer:  # the sum came back in the wire's dtype
                 bucket.buffer.copy_(bucket.in_flight)
-            sent += bucket.in_flight.numel() * bucket.in_flight.element_size()
+            if hasattr(bucket.work, "bytes_sent"):  # coded across a thin link: what it sent (`comm/coded_sum.py`)
+                coded += bucket.work.bytes_sent
+            else:
+                ring += bucket.in_flight.numel() * bucket.in_flight.element_size()
             bucket.ready, bucket.work, bucket.filled = 0, None, [False] * len(bucket.parameters)
-        self.bytes_sent = all_reduce_bytes_sent(sent, self.world_size)
+        self.bytes_sent = all_reduce_bytes_sent(ring, self.world_size) + coded
         # The whole exchange, hidden part included: what a peer may have to wait for (plane/deadline.py).
         self.exchange_s, self.launched = time.perf_counter() - (self.launched or started), None
         return {"comm_s": time.perf_counter() - started}
