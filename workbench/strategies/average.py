@@ -20,7 +20,7 @@ on the global batch.
 Every worker's weights are always the common global weights (`global_weights`, equal on all ranks)
 plus its own progress not yet averaged; that invariant is what lets overlap be switched on and off
 live. Metrics: steps since the last sync; at each sync `bytes_sent` (what a ring all-reduce sends per
-worker), `comm_s` (what the step paid: the wait plus copying weights in and out), `comm_total_s` (that
+worker; the coded bytes when a thin link's sum goes coded, `comm/coded_sum.py`), `comm_s` (what the step paid: the wait plus copying weights in and out), `comm_total_s` (that
 plus the rest of the exchange's time: hidden behind training, or waited for at the control point the step
 before, `settle`) and the worker's relative divergence
 from the average it receives.
@@ -314,6 +314,7 @@ class Average(Strategy):
         # The exchange alone, apart from the sync's own copies around it (flatten, encode, the
         # divergence, copying back): what a capacity model needs to tell the wire from the local work.
         exchange_s = time.perf_counter() - launched
+        sent = getattr(work, "bytes_sent", sent)  # coded across a thin link: what it sent (`comm/coded_sum.py`)
         average = mean()
         divergence = relative_divergence(local, average)
         self.global_weights, self.outer_buffer = self._outer_step(average)
