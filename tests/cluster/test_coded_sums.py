@@ -17,7 +17,7 @@ from helpers import spawn_ranks, sum_through_channel
 from workbench.comm import collectives, connections, shared_memory
 
 TIMEOUT_S = 120
-USES = 4
+USES = 13  # the second agreement (a coded sum timed) is read at the last use
 # channel -> (elements, dtype): 3 MB and 1.2 MB of floats (coded once agreed), 16 kB (too small), doubles.
 SIZES = {0: (786_433, torch.float32), 1: (300_001, torch.float32), 2: (4_000, torch.float32),
          3: (200_000, torch.float64)}
@@ -61,6 +61,7 @@ def _rank(rank, world_size, port, results):
                     outcome["mismatches"].append((use, channel, "the completion callback never ran"))
                 outcome["sums"][(use, channel)] = vector.view(torch.uint8).sum().item()
         outcome["agreed_s"] = {c: s.agreed_s for c, s in cutter.channels.items()}
+        outcome["coded_s"] = {c: s.coded_s for c, s in cutter.channels.items()}
         collectives.destroy_process_group()
         results.put((rank, outcome))
     except BaseException as error:
@@ -76,11 +77,17 @@ def test_agreed_thin_sums_go_coded_and_are_exact_on_every_rank(world_size):
     outcomes = [found[rank] for rank in range(world_size)]
     whole = ["Work"] * USES
     for outcome in outcomes:
-        # Agreed at the second use, read at the third: the large float32 sums coded from then on.
-        assert outcome["kinds"] == {0: ["Work", "Work", "CodedWork", "CodedWork"],
-                                    1: ["Work", "Work", "CodedWork", "CodedWork"], 2: whole, 3: whole}
+        # Agreed at the second use, read at the third: the large float32 sums coded from then on, until the
+        # second agreement (a coded sum's time, read at the last use) says which way is the faster.
+        for channel in (0, 1):
+            assert outcome["kinds"][channel][:USES - 1] == ["Work", "Work"] + ["CodedWork"] * (USES - 3)
+            faster = outcome["coded_s"][channel] < outcome["agreed_s"][channel]
+            assert outcome["kinds"][channel][-1] == ("CodedWork" if faster else "Work")
+        assert outcome["kinds"][2] == whole and outcome["kinds"][3] == whole
+        assert outcome["coded_s"][2] is None and outcome["coded_s"][3] is None
         assert outcome["mismatches"] == []
-        assert outcome["agreed_s"] == outcomes[0]["agreed_s"]  # every rank chose alike
+        # Every rank chose alike, from the same figures.
+        assert (outcome["agreed_s"], outcome["coded_s"]) == (outcomes[0]["agreed_s"], outcomes[0]["coded_s"])
         for (use, channel), sent in outcome["sent"].items():
             raw = connections.ring_bytes(SIZES[channel][0] * 4, world_size)
             assert 0.5 * raw < sent < 0.95 * raw, (use, channel, sent, raw)  # the top plane compressed

@@ -71,6 +71,16 @@ def test_a_sum_is_coded_only_when_float32_large_and_on_a_thin_link():
     assert not connections.coded(big, 2, 0.6, below_bytes_per_s=1e6)
 
 
+def test_a_thin_sum_stays_coded_only_while_coded_sums_are_the_faster_and_each_way_is_probed():
+    big = torch.zeros(1_000_000)
+    assert connections.coded(big, 2, 0.6, coded_s=None)  # not tried yet: try it
+    assert connections.coded(big, 2, 0.6, coded_s=0.5)  # the link is the bound: coding pays
+    assert not connections.coded(big, 2, 0.06, coded_s=0.08)  # a CPU at half a core: coding costs more
+    assert not connections.coded(big, 2, 0.6, coded_s=0.5, probe=True)  # the plain way timed again
+    assert connections.coded(big, 2, 0.06, coded_s=0.08, probe=True)  # the coded way timed again
+    assert not connections.coded(big, 2, 0.008, coded_s=0.001, probe=True)  # a fast link: never coded
+
+
 def test_chunks_spread_over_the_connections_and_tags_never_collide():
     assert coded_sum.chunks_for(1000, 4) == 1  # tiny: one chunk
     assert coded_sum.chunks_for(coded_sum.CHUNK_BYTES, 4) == 4  # as many as connections once large enough

@@ -16,10 +16,12 @@ samples/s against 8,867-9,427 whole). How long a channel's sums take is agreed b
 use, so every rank cuts every sum alike (a rank calling more all-reduces than another would hang the
 group) and a link that changes while a run trains is followed within that many steps.
 
-On a thin link (below `CODE_BELOW_BYTES_PER_S` for a ring's bytes), a float32 sum is coded instead
-(`comm/coded_sum.py`): the same exact sum for about 0.84 of the bytes, its chunks spread over the same
-connections. A coded sum's time counts in the agreement as the time its ring of raw floats would have
-taken (scaled by the bytes each sent), so the choice does not flip back and forth on its own saving.
+On a thin link (plain sums below `CODE_BELOW_BYTES_PER_S` for a ring's bytes), a float32 sum is coded
+instead (`comm/coded_sum.py`): the same exact sum for about 0.84 of the bytes, its chunks spread over the
+same connections, as long as the group's timed coded sums are faster than its plain ones. A sum is also
+slow when a host's CPU is (measured: with one lab host at half a core the plain sums on the unlimited link
+read below the threshold, and coding them halved `allreduce`'s speed), so both ways are timed and agreed:
+the way not in use once every `PROBE_EVERY` agreements.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.comm.coded_sum import CodedSums
+from workbench.comm.coded_sum import CodedSums, CodedWork
 from workbench.errors import ConfigError
 
 SOCKETS_VARIABLE = "WORKBENCH_GLOO_SOCKETS"
@@ -42,6 +44,7 @@ MAX_SOCKETS = 16
 MIN_PIECE_BYTES = 256 * 1024  # smaller pieces pay gloo's per-call cost for nothing a link would notice
 SLOW_SUM_S = 0.2  # a sum this long is the link's: a few more gloo calls (well under 1 ms each) cost nothing
 AGREE_EVERY = 10  # uses of a channel between two agreements on how long its sums take
+PROBE_EVERY = 5  # agreements between two timed sums of the way not in use (coded or plain): both kept current
 # A coded sum of the MLP's 7.45 MB of gradients between two lab hosts (median of 16): 0.86 of gloo's time at
 # 100 Mbit/s (0.54 s against 0.62 s), 0.89 at 1 Gbit/s (51 ms against 57 ms), but 38 ms against 8 ms on the
 # unlimited link, where coding is the bound: worth it up to about 165 MB/s of a ring's bytes; a margin below.
@@ -84,17 +87,21 @@ def ring_bytes(nbytes: int, world_size: int) -> float:
     return 2 * nbytes * (world_size - 1) / world_size
 
 
-def coded(vector: torch.Tensor, world_size: int, sum_s: float | None,
-          below_bytes_per_s: float | None = None) -> bool:
-    """Whether a sum of `vector` goes coded: float32 on the CPU, large enough, and the group agreed that
-    its ring's bytes go at under `below_bytes_per_s` (`CODE_BELOW_BYTES_PER_S`)."""
+def coded(vector: torch.Tensor, world_size: int, sum_s: float | None, coded_s: float | None = None,
+          probe: bool = False, below_bytes_per_s: float | None = None) -> bool:
+    """Whether a sum of `vector` goes coded. Only a float32 CPU vector large enough, once the group agreed
+    that its plain sums (`sum_s`) send a ring's bytes at under `below_bytes_per_s` (`CODE_BELOW_BYTES_PER_S`):
+    a thin link. Then coded, unless the group timed a coded sum (`coded_s`) no faster than a plain one: a
+    sum is slow for a slow CPU too (a host at half a core), and there coding makes it slower still.
+    `probe`: this sum is timed the way the figures do not favour, so that both stay current."""
     limit = CODE_BELOW_BYTES_PER_S if below_bytes_per_s is None else below_bytes_per_s
     nbytes = vector.numel() * vector.element_size()
     if sum_s is None or vector.dtype != torch.float32 or vector.device.type != "cpu" or world_size < 2:
         return False
-    if not vector.is_contiguous() or nbytes < MIN_CODED_BYTES:
+    if not vector.is_contiguous() or nbytes < MIN_CODED_BYTES or ring_bytes(nbytes, world_size) >= limit * sum_s:
         return False
-    return ring_bytes(nbytes, world_size) < limit * sum_s
+    favoured = coded_s is None or coded_s < sum_s
+    return favoured != probe
 
 
 def pieces_for(nbytes: int, sockets: int, sum_s: float | None, min_piece_bytes: int = MIN_PIECE_BYTES) -> int:
@@ -124,9 +131,11 @@ class PiecesWork:
 class _Channel:
     def __init__(self) -> None:
         self.uses = 0
-        self.last_s = math.inf  # this rank's last timed sum as a ring of raw floats would take (none yet: inf)
-        self.agreed_s: float | None = None  # the group's figure, the same on every rank
-        self.vote = torch.zeros(1, dtype=torch.float64)
+        self.last_s = math.inf  # this rank's last timed sum, from its start here to its end (none yet: inf)
+        self.last_coded = False  # whether that sum went coded
+        self.agreed_s: float | None = None  # the group's figure for a plain sum, the same on every rank
+        self.coded_s: float | None = None  # and for a coded one
+        self.vote = torch.zeros(2, dtype=torch.float64)  # (plain, coded): the timed sum's slot, the other inf
         self.vote_work: Any = None  # the agreement in flight, read at the channel's next use
 
 
@@ -147,14 +156,15 @@ class SumCutter:
         if state.vote_work is not None:
             wait(state.vote_work)  # started beside the previous sum, which the caller has waited for
             state.vote_work = None
-            state.agreed_s = None if math.isinf(state.vote.item()) else state.vote.item()
+            plain_s, coded_s = state.vote.tolist()
+            state.agreed_s = state.agreed_s if math.isinf(plain_s) else plain_s
+            state.coded_s = state.coded_s if math.isinf(coded_s) else coded_s
         nbytes = vector.numel() * vector.element_size()
-        world_size = dist.get_world_size()
+        timed = state.uses % AGREE_EVERY == 0  # the sum the next use votes with: timed; the others need not be
+        probe = timed and (state.uses // AGREE_EVERY) % PROBE_EVERY == PROBE_EVERY - 1
         started = time.perf_counter()
-        if coded(vector, world_size, state.agreed_s):
+        if coded(vector, dist.get_world_size(), state.agreed_s, state.coded_s, probe):
             work = self.coder.start(vector, channel, state.uses, self.sockets)
-            # Counted as the raw ring's time on this link: scaled by the bytes it would have sent.
-            scale = lambda: ring_bytes(nbytes, world_size) / max(work.bytes_sent, 1)  # noqa: E731
         else:
             pieces = pieces_for(nbytes, self.sockets, state.agreed_s)
             if pieces == 1 or not vector.is_contiguous():
@@ -162,14 +172,14 @@ class SumCutter:
             else:  # one all-reduce per connection: gloo hands consecutive collectives to its connections in turn
                 work = PiecesWork([dist.all_reduce(piece, async_op=True)
                                    for piece in vector.view(-1).tensor_split(pieces)])
-            scale = lambda: 1.0  # noqa: E731
-        if state.uses % AGREE_EVERY == 0:  # the sum the next use votes with: timed; the others need not be
-            work.get_future().add_done_callback(
-                lambda _future: setattr(state, "last_s", (time.perf_counter() - started) * scale()))
+        if timed:
+            state.last_s, state.last_coded = math.inf, isinstance(work, CodedWork)  # inf until it ends: no vote
+            work.get_future().add_done_callback(lambda _future: setattr(state, "last_s", time.perf_counter() - started))
         if state.uses % AGREE_EVERY == 1:
             # The shortest rank's figure: the rank that started last waited for no peer, so its sum took
             # what the link took; a rank that started earlier also counts its wait for a slower peer.
-            state.vote.fill_(state.last_s)
+            state.vote.fill_(math.inf)
+            state.vote[1 if state.last_coded else 0] = state.last_s
             state.vote_work = dist.all_reduce(state.vote, op=dist.ReduceOp.MIN, async_op=True)
         state.uses += 1
         return work
