@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from workbench.comm.averaging import all_reduce_bytes_sent
 from workbench.comm import coded_sum, connections, lossless
 
 
@@ -58,7 +59,7 @@ def test_what_cannot_be_coded_is_refused_by_name():
 
 def test_a_sum_is_coded_only_when_float32_large_and_on_a_thin_link():
     big = torch.zeros(1_000_000)  # 4 MB: a ring of two sends 4 MB
-    assert connections.ring_bytes(4_000_000, 2) == 4_000_000 and connections.ring_bytes(4_000_000, 4) == 6_000_000
+    assert all_reduce_bytes_sent(4_000_000, 2) == 4_000_000 and all_reduce_bytes_sent(4_000_000, 4) == 6_000_000
     assert connections.coded(big, 2, 0.6)  # 100 Mbit/s: 6.7 MB/s
     assert connections.coded(big, 2, 0.035)  # 1 Gbit/s: 114 MB/s
     assert not connections.coded(big, 2, 0.008)  # the lab's unlimited link: 500 MB/s

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workbench.comm.averaging import all_reduce_bytes_sent
 from workbench.comm.coded_sum import CodedSums, CodedWork
 from workbench.errors import ConfigError
 
@@ -82,11 +83,6 @@ def spread_over_sockets(sockets: int) -> Iterator[int]:
         os.environ["GLOO_SOCKET_IFNAME"] = names
 
 
-def ring_bytes(nbytes: int, world_size: int) -> float:
-    """What each rank sends in a ring all-reduce of `nbytes`: twice its (world_size - 1) / world_size."""
-    return 2 * nbytes * (world_size - 1) / world_size
-
-
 def coded(vector: torch.Tensor, world_size: int, sum_s: float | None, coded_s: float | None = None,
           probe: bool = False, below_bytes_per_s: float | None = None) -> bool:
     """Whether a sum of `vector` goes coded. Only a float32 CPU vector large enough, once the group agreed
@@ -98,7 +94,7 @@ def coded(vector: torch.Tensor, world_size: int, sum_s: float | None, coded_s: f
     nbytes = vector.numel() * vector.element_size()
     if sum_s is None or vector.dtype != torch.float32 or vector.device.type != "cpu" or world_size < 2:
         return False
-    if not vector.is_contiguous() or nbytes < MIN_CODED_BYTES or ring_bytes(nbytes, world_size) >= limit * sum_s:
+    if not vector.is_contiguous() or nbytes < MIN_CODED_BYTES or all_reduce_bytes_sent(nbytes, world_size) >= limit * sum_s:
         return False
     favoured = coded_s is None or coded_s < sum_s
     return favoured != probe
