@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import spawn_ranks, sum_through_channel
-from workbench.comm import collectives, connections, shared_memory
+from workbench.comm import collectives, connections, shared_memory, sum_way
 
 TIMEOUT_S = 120
 USES = 4
@@ -24,7 +24,7 @@ def _rank(rank, world_size, port, sockets, slow_sum_s, results):
     if sockets is not None:
         os.environ[connections.SOCKETS_VARIABLE] = sockets
     connections.SLOW_SUM_S = slow_sum_s  # loopback is never slow: 0 makes every agreed sum one to cut
-    connections.CODE_BELOW_BYTES_PER_S = 0.0  # and never thin: coded sums are tests/cluster/test_coded_sums.py's
+    sum_way.CODE_BELOW_BYTES_PER_S = 0.0  # and never thin: coded sums are tests/cluster/test_coded_sums.py's
     torch.set_num_threads(1)
     try:
         collectives.init_process_group("127.0.0.1", port, rank, world_size, torch.device("cpu"), 60,
@@ -43,7 +43,7 @@ def _rank(rank, world_size, port, sockets, slow_sum_s, results):
                     outcome["mismatches"].append((use, channel, (vector - reference).abs().max().item()))
                 if not called:
                     outcome["mismatches"].append((use, channel, "the completion callback never ran"))
-        outcome["agreed_s"] = {c: s.agreed_s for c, s in cutter.channels.items()} if cutter else None
+        outcome["agreed_s"] = {c: s.way.link_s for c, s in cutter.channels.items()} if cutter else None
         collectives.destroy_process_group()
         results.put((rank, outcome))
     except BaseException as error:

@@ -1,5 +1,5 @@
-"""The lossless coding of float32 vectors (`comm/lossless.py`), the choice of coded sums and their layout
-(`comm/connections.py`, `comm/coded_sum.py`): pure logic, no process group."""
+"""The lossless coding of float32 vectors (`comm/lossless.py`) and the layout of coded sums
+(`comm/coded_sum.py`): pure logic, no process group. Which sums go coded: tests/unit/test_sum_way.py."""
 from __future__ import annotations
 
 import itertools
@@ -9,8 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.comm.averaging import all_reduce_bytes_sent
-from workbench.comm import coded_sum, connections, lossless
+from workbench.comm import coded_sum, lossless
 
 
 def _round_trip(vector: torch.Tensor, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -55,31 +54,6 @@ def test_what_cannot_be_coded_is_refused_by_name():
         lossless.decode_message(message[:-1], torch.empty(1000))
     with pytest.raises(ValueError):  # a message for other floats than `out` holds
         lossless.decode_message(message, torch.empty(999))
-
-
-def test_a_sum_is_coded_only_when_float32_large_and_on_a_thin_link():
-    big = torch.zeros(1_000_000)  # 4 MB: a ring of two sends 4 MB
-    assert all_reduce_bytes_sent(4_000_000, 2) == 4_000_000 and all_reduce_bytes_sent(4_000_000, 4) == 6_000_000
-    assert connections.coded(big, 2, 0.6)  # 100 Mbit/s: 6.7 MB/s
-    assert connections.coded(big, 2, 0.035)  # 1 Gbit/s: 114 MB/s
-    assert not connections.coded(big, 2, 0.008)  # the lab's unlimited link: 500 MB/s
-    assert not connections.coded(big, 2, None)  # not agreed yet
-    assert not connections.coded(big, 1, 10.0)  # alone: nothing to send
-    assert not connections.coded(big.double(), 2, 10.0) and not connections.coded(big.bfloat16(), 2, 10.0)
-    assert not connections.coded(torch.zeros(connections.MIN_CODED_BYTES // 4 - 1), 2, 10.0)
-    assert connections.coded(torch.zeros(connections.MIN_CODED_BYTES // 4), 2, 10.0)
-    assert not connections.coded(torch.zeros(2_000_000)[::2], 2, 10.0)  # not contiguous
-    assert not connections.coded(big, 2, 0.6, below_bytes_per_s=1e6)
-
-
-def test_a_thin_sum_stays_coded_only_while_coded_sums_are_the_faster_and_each_way_is_probed():
-    big = torch.zeros(1_000_000)
-    assert connections.coded(big, 2, 0.6, coded_s=None)  # not tried yet: try it
-    assert connections.coded(big, 2, 0.6, coded_s=0.5)  # the link is the bound: coding pays
-    assert not connections.coded(big, 2, 0.06, coded_s=0.08)  # a CPU at half a core: coding costs more
-    assert not connections.coded(big, 2, 0.6, coded_s=0.5, probe=True)  # the plain way timed again
-    assert connections.coded(big, 2, 0.06, coded_s=0.08, probe=True)  # the coded way timed again
-    assert not connections.coded(big, 2, 0.008, coded_s=0.001, probe=True)  # a fast link: never coded
 
 
 def test_chunks_spread_over_the_connections_and_tags_never_collide():

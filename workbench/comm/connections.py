@@ -11,22 +11,19 @@ travels over all of them.
 
 Only a sum the link makes slow is cut: on the lab's unlimited link, where a 7.45 MB sum takes
 milliseconds and the CPU is the bound, cutting every one cost `allreduce` 13% of its speed (7,870
-samples/s against 8,867-9,427 whole). How long a channel's sums take is agreed by the group every
-`AGREE_EVERY` uses, in a one-number sum of its own started beside the channel's and read at the next
-use, so every rank cuts every sum alike (a rank calling more all-reduces than another would hang the
-group) and a link that changes while a run trains is followed within that many steps.
+samples/s against 8,867-9,427 whole). How long a channel's sums take (the fastest of its newest, over
+every rank: the link's figure, `comm/sum_way.py`) is agreed by the group every `AGREE_EVERY` uses, in a
+small sum of its own started beside the channel's and read at the next use, so every rank cuts every sum
+alike (a rank calling more all-reduces than another would hang the group) and a link that changes while a
+run trains is followed within a few steps.
 
-On a thin link (plain sums below `CODE_BELOW_BYTES_PER_S` for a ring's bytes), a float32 sum is coded
-instead (`comm/coded_sum.py`): the same exact sum for about 0.84 of the bytes, its chunks spread over the
-same connections, as long as the group's timed coded sums are faster than its plain ones. A sum is also
-slow when a host's CPU is (measured: with one lab host at half a core the plain sums on the unlimited link
-read below the threshold, and coding them halved `allreduce`'s speed), so both ways are timed and agreed:
-the way not in use once every `PROBE_EVERY` agreements.
+On a thin link a float32 sum is coded instead (`comm/coded_sum.py`): the same exact sum for about 0.84 of
+the bytes, its chunks spread over the same connections. Which way a channel's sums go is decided from the
+same agreements (`comm/sum_way.py`: the link's figure and the two ways timed against each other).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.comm.averaging import all_reduce_bytes_sent
-from workbench.comm.coded_sum import CodedSums, CodedWork
+from workbench.comm.coded_sum import CodedSums
+from workbench.comm.sum_way import AGREE_EVERY, SumTimes, WayChoice, codable
 from workbench.errors import ConfigError
 
 SOCKETS_VARIABLE = "WORKBENCH_GLOO_SOCKETS"
@@ -44,13 +41,6 @@ DEFAULT_SOCKETS = 4
 MAX_SOCKETS = 16
 MIN_PIECE_BYTES = 256 * 1024  # smaller pieces pay gloo's per-call cost for nothing a link would notice
 SLOW_SUM_S = 0.2  # a sum this long is the link's: a few more gloo calls (well under 1 ms each) cost nothing
-AGREE_EVERY = 10  # uses of a channel between two agreements on how long its sums take
-PROBE_EVERY = 5  # agreements between two timed sums of the way not in use (coded or plain): both kept current
-# A coded sum of the MLP's 7.45 MB of gradients between two lab hosts (median of 16): 0.86 of gloo's time at
-# 100 Mbit/s (0.54 s against 0.62 s), 0.89 at 1 Gbit/s (51 ms against 57 ms), but 38 ms against 8 ms on the
-# unlimited link, where coding is the bound: worth it up to about 165 MB/s of a ring's bytes; a margin below.
-CODE_BELOW_BYTES_PER_S = 150e6
-MIN_CODED_BYTES = 256 * 1024  # smaller sums: the link's latency, not its rate, is what they pay
 
 
 def sockets_per_peer() -> int:
@@ -83,23 +73,6 @@ def spread_over_sockets(sockets: int) -> Iterator[int]:
         os.environ["GLOO_SOCKET_IFNAME"] = names
 
 
-def coded(vector: torch.Tensor, world_size: int, sum_s: float | None, coded_s: float | None = None,
-          probe: bool = False, below_bytes_per_s: float | None = None) -> bool:
-    """Whether a sum of `vector` goes coded. Only a float32 CPU vector large enough, once the group agreed
-    that its plain sums (`sum_s`) send a ring's bytes at under `below_bytes_per_s` (`CODE_BELOW_BYTES_PER_S`):
-    a thin link. Then coded, unless the group timed a coded sum (`coded_s`) no faster than a plain one: a
-    sum is slow for a slow CPU too (a host at half a core), and there coding makes it slower still.
-    `probe`: this sum is timed the way the figures do not favour, so that both stay current."""
-    limit = CODE_BELOW_BYTES_PER_S if below_bytes_per_s is None else below_bytes_per_s
-    nbytes = vector.numel() * vector.element_size()
-    if sum_s is None or vector.dtype != torch.float32 or vector.device.type != "cpu" or world_size < 2:
-        return False
-    if not vector.is_contiguous() or nbytes < MIN_CODED_BYTES or all_reduce_bytes_sent(nbytes, world_size) >= limit * sum_s:
-        return False
-    favoured = coded_s is None or coded_s < sum_s
-    return favoured != probe
-
-
 def pieces_for(nbytes: int, sockets: int, sum_s: float | None, min_piece_bytes: int = MIN_PIECE_BYTES) -> int:
     """How many all-reduces a sum of `nbytes` is cut into over `sockets` connections, given how long the
     group agreed the channel's sums take (None: not agreed yet): one per connection, none smaller than
@@ -125,18 +98,25 @@ class PiecesWork:
 
 
 class _Channel:
-    def __init__(self) -> None:
+    def __init__(self, vector: torch.Tensor, world_size: int) -> None:
+        nbytes = vector.numel() * vector.element_size()
+        self.kind = _kind(vector)
         self.uses = 0
-        self.last_s = math.inf  # this rank's last timed sum, from its start here to its end (none yet: inf)
-        self.last_coded = False  # whether that sum went coded
-        self.agreed_s: float | None = None  # the group's figure for a plain sum, the same on every rank
-        self.coded_s: float | None = None  # and for a coded one
-        self.vote = torch.zeros(2, dtype=torch.float64)  # (plain, coded): the timed sum's slot, the other inf
+        self.times = SumTimes()  # this rank's timed sums
+        self.way = WayChoice(nbytes, world_size, codable(vector, world_size))  # the group's choice, agreed
+        self.vote = torch.zeros(3, dtype=torch.float64)  # `SumTimes.vote`, MIN-reduced over the ranks
         self.vote_work: Any = None  # the agreement in flight, read at the channel's next use
 
 
+def _kind(vector: torch.Tensor) -> tuple[Any, ...]:
+    """What a channel's figures are of: another kind of vector (a live switch to bf16 buckets, to other
+    buckets) starts the channel anew, alike on every rank since every rank sums the same kind."""
+    return vector.numel(), vector.dtype, vector.device.type, vector.is_contiguous()
+
+
 class SumCutter:
-    """The sums of a group with several connections per peer, channel by channel (`start_all_reduce`)."""
+    """The sums of a group across hosts, channel by channel (`start_all_reduce`): cut in pieces over the
+    connections when the link makes them slow, coded when it is thin and coding pays."""
 
     def __init__(self, sockets: int, timeout_s: Callable[[], float]) -> None:
         self.sockets = sockets
@@ -147,35 +127,37 @@ class SumCutter:
         self.coder.close()
 
     def start(self, vector: torch.Tensor, channel: int, wait: Callable[[Any], None]) -> Any:
-        """Begin the sum of `vector` on `channel`, in pieces when the group found its sums slow."""
-        state = self.channels.setdefault(channel, _Channel())
+        """Begin the sum of `vector` on `channel`, the way the group agreed for it."""
+        state = self.channels.get(channel)
+        if state is not None and state.kind != _kind(vector):
+            if state.vote_work is not None:
+                wait(state.vote_work)  # every rank started it: finished, then dropped with the old figures
+            state = None
+        if state is None:
+            state = self.channels[channel] = _Channel(vector, dist.get_world_size())
         if state.vote_work is not None:
             wait(state.vote_work)  # started beside the previous sum, which the caller has waited for
             state.vote_work = None
-            plain_s, coded_s = state.vote.tolist()
-            state.agreed_s = state.agreed_s if math.isinf(plain_s) else plain_s
-            state.coded_s = state.coded_s if math.isinf(coded_s) else coded_s
-        nbytes = vector.numel() * vector.element_size()
-        timed = state.uses % AGREE_EVERY == 0  # the sum the next use votes with: timed; the others need not be
-        probe = timed and (state.uses // AGREE_EVERY) % PROBE_EVERY == PROBE_EVERY - 1
-        started = time.perf_counter()
-        if coded(vector, dist.get_world_size(), state.agreed_s, state.coded_s, probe):
+            before = state.way.coding
+            if state.way.agree(*state.vote.tolist()) != before:
+                state.times.new_stint(state.way.coding)
+        started, stint = time.perf_counter(), state.times.stint
+        if state.way.coding:
             work = self.coder.start(vector, channel, state.uses, self.sockets)
         else:
-            pieces = pieces_for(nbytes, self.sockets, state.agreed_s)
+            pieces = pieces_for(vector.numel() * vector.element_size(), self.sockets, state.way.link_s)
             if pieces == 1 or not vector.is_contiguous():
                 work = dist.all_reduce(vector, async_op=True)
             else:  # one all-reduce per connection: gloo hands consecutive collectives to its connections in turn
                 work = PiecesWork([dist.all_reduce(piece, async_op=True)
                                    for piece in vector.view(-1).tensor_split(pieces)])
-        if timed:
-            state.last_s, state.last_coded = math.inf, isinstance(work, CodedWork)  # inf until it ends: no vote
-            work.get_future().add_done_callback(lambda _future: setattr(state, "last_s", time.perf_counter() - started))
+        coding = state.way.coding
+        work.get_future().add_done_callback(
+            lambda _future: state.times.add(coding, time.perf_counter() - started, stint))
         if state.uses % AGREE_EVERY == 1:
-            # The shortest rank's figure: the rank that started last waited for no peer, so its sum took
-            # what the link took; a rank that started earlier also counts its wait for a slower peer.
-            state.vote.fill_(math.inf)
-            state.vote[1 if state.last_coded else 0] = state.last_s
+            # The shortest figure of any rank: the rank that started last waited for no peer, so its sum took
+            # what the link (and its own CPU) took; a rank that started earlier also counts its wait.
+            state.vote.copy_(torch.tensor(state.times.vote(), dtype=torch.float64))
             state.vote_work = dist.all_reduce(state.vote, op=dist.ReduceOp.MIN, async_op=True)
         state.uses += 1
         return work
